@@ -1,0 +1,16 @@
+"""reshard: topology, the pure load planner, and offline conversion of shardfmt checkpoints."""
+
+from .geometry import Box, ByteRange, coalesce, intersect
+from .planner import CopyItem, LoadPlan, PhysicalRead, TargetSlice, plan_load
+
+__all__ = [
+    "Box",
+    "ByteRange",
+    "CopyItem",
+    "LoadPlan",
+    "PhysicalRead",
+    "TargetSlice",
+    "coalesce",
+    "intersect",
+    "plan_load",
+]

@@ -1,0 +1,309 @@
+"""Element boxes and byte ranges: the one home of the overlap and layout math.
+
+``Box(offsets, lengths)`` is a slice of a tensor in element coordinates (global or
+local, the caller says which). ``ByteRange(start, end)`` is half-open, like safetensors'
+``data_offsets``. ``box_spans`` turns a sub-box of a row-major array into the byte
+spans a reader must fetch; ``coalesce`` merges nearby spans. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """Bytes ``[start, end)``."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end < self.start:
+            raise ValueError(f"invalid byte range [{self.start}, {self.end})")
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    def shift(self, delta: int) -> ByteRange:
+        return ByteRange(self.start + delta, self.end + delta)
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """Elements ``offsets[d] <= i[d] < offsets[d] + lengths[d]`` for every dim ``d``."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"box rank mismatch: offsets {self.offsets}, lengths {self.lengths}")
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + n for o, n in zip(self.offsets, self.lengths))
+
+    def is_empty(self) -> bool:
+        return any(n == 0 for n in self.lengths)
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            so <= oo and oo + on <= so + sn
+            for so, sn, oo, on in zip(self.offsets, self.lengths, other.offsets, other.lengths)
+        )
+
+    def relative_to(self, outer: Box) -> Box:
+        """Return this box in the local coordinates of ``outer`` (which must contain it)."""
+        return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.lengths)
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """Return the overlap of two boxes, or None when they share no element."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect boxes of rank {a.ndim} and {b.ndim}")
+    offsets = []
+    lengths = []
+    for ao, an, bo, bn in zip(a.offsets, a.lengths, b.offsets, b.lengths):
+        lo = max(ao, bo)
+        hi = min(ao + an, bo + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        lengths.append(hi - lo)
+    return Box(tuple(offsets), tuple(lengths))
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Return element strides of a contiguous row-major array of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(int(shape[d + 1]), 1)
+    return tuple(strides)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One contiguous read: bytes ``[start, end)`` of an array hold ``box`` (local coords).
+
+    The box's first element sits at ``start``; its elements are found with the array's
+    row-major strides. Bytes between them (the gaps) are read and ignored.
+    """
+
+    start: int
+    end: int
+    box: Box
+
+
+def box_spans(
+    shape: Sequence[int],
+    sub: Box,
+    itemsize: int,
+    *,
+    max_gap: int = 0,
+    max_span: int | None = None,
+) -> Iterator[Span]:
+    """Yield the byte spans that cover ``sub`` inside a row-major array of ``shape``.
+
+    Spans are relative to the array's first byte, in increasing order. Consecutive
+    pieces of ``sub`` are read as one span when the bytes between them are at most
+    ``max_gap``; a span never exceeds ``max_span`` bytes unless one element row at the
+    innermost level already does (then the row is split into element-aligned pieces).
+    """
+    ndim = len(shape)
+    if sub.is_empty() or ndim == 0:
+        if ndim == 0:
+            yield Span(0, itemsize, sub)
+        return
+    strides = row_major_strides(shape)
+    cap = max_span if max_span is not None else 1 << 62
+    cap = max(cap, itemsize)
+    # span_len[d]: bytes from the first to the last needed element when dims >= d are
+    # read as one span; mergeable[d]: whether dims >= d are read as one span.
+    span_len = [0] * (ndim + 1)
+    mergeable = [True] * (ndim + 1)
+    span_len[ndim] = itemsize
+    for d in range(ndim - 1, -1, -1):
+        step = strides[d] * itemsize
+        inner = span_len[d + 1]
+        gap = step - inner
+        mergeable[d] = mergeable[d + 1] and gap <= max_gap
+        span_len[d] = (sub.lengths[d] - 1) * step + inner
+
+    def walk(d: int, base: int, prefix: tuple[int, ...]) -> Iterator[Span]:
+        step = strides[d] * itemsize
+        o, n = sub.offsets[d], sub.lengths[d]
+        if not mergeable[d + 1]:
+            for i in range(o, o + n):
+                yield from walk(d + 1, base + i * step, prefix + (i,))
+            return
+        tail_off = sub.offsets[d + 1:]
+        tail_len = sub.lengths[d + 1:]
+        tail_start = sum(t * strides[d + 1 + j] for j, t in enumerate(tail_off)) * itemsize
+        inner = span_len[d + 1]
+        per = max(1, (cap - inner) // step + 1) if (mergeable[d] and inner <= cap) else 1
+        i = o
+        while i < o + n:
+            k = min(per, o + n - i)
+            start = base + i * step + tail_start
+            yield Span(
+                start,
+                start + (k - 1) * step + inner,
+                Box(prefix + (i,) + tail_off, (1,) * len(prefix) + (k,) + tail_len),
+            )
+            i += k
+
+    for span in walk(0, 0, ()):
+        yield from _split_large(span, cap, itemsize, strides)
+
+
+def _split_large(span: Span, cap: int, itemsize: int, strides: tuple[int, ...]) -> Iterator[Span]:
+    """Split a span longer than ``cap`` that is a single contiguous run of its last dim."""
+    if span.end - span.start <= cap:
+        yield span
+        return
+    box = span.box
+    # Find the outermost dim with length > 1; split along it.
+    for d in range(box.ndim):
+        if box.lengths[d] > 1:
+            break
+    else:
+        yield span
+        return
+    step = strides[d] * itemsize
+    rest = span.end - span.start - (box.lengths[d] - 1) * step
+    per = max(1, (cap - rest) // step + 1) if rest <= cap else 1
+    i = 0
+    while i < box.lengths[d]:
+        k = min(per, box.lengths[d] - i)
+        offs = box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1:]
+        lens = box.lengths[:d] + (k,) + box.lengths[d + 1:]
+        start = span.start + i * step
+        piece = Span(start, start + (k - 1) * step + rest, Box(offs, lens))
+        yield from _split_large(piece, cap, itemsize, strides)
+        i += k
+
+
+def coalesce(ranges: Sequence[ByteRange], *, max_gap: int = 0, max_size: int | None = None) -> list[ByteRange]:
+    """Merge sorted-or-not ranges whose gap is at most ``max_gap``; overlaps always merge.
+
+    A merge that would exceed ``max_size`` is not made unless the ranges overlap.
+    """
+    out: list[ByteRange] = []
+    for r in sorted(ranges, key=lambda r: (r.start, r.end)):
+        if out:
+            last = out[-1]
+            overlap = r.start < last.end
+            if overlap or (
+                r.start - last.end <= max_gap
+                and (max_size is None or max(r.end, last.end) - last.start <= max_size)
+            ):
+                out[-1] = ByteRange(last.start, max(last.end, r.end))
+                continue
+        out.append(r)
+    return out
+
+
+def tiling_problems(boxes: Sequence[Box], region: Box, *, limit: int = 20) -> list[str]:
+    """Return why ``boxes`` do not tile ``region`` exactly (empty list: they do).
+
+    Checks that every box lies inside the region, that none overlap and that together
+    they cover it. Layouts made by mesh sharding are guillotine partitions (recursively
+    cut along one dim); those are checked in O(n log n) per level by finding cuts with a
+    sort and sweep. A group with no cut falls back to pairwise checks on that group only.
+    """
+    problems: list[str] = []
+    inside = []
+    for b in boxes:
+        if b.ndim != region.ndim:
+            problems.append(f"slice {list(b.offsets)}+{list(b.lengths)} has rank {b.ndim}, expected {region.ndim}")
+        elif not region.contains(b):
+            problems.append(f"slice {list(b.offsets)}+{list(b.lengths)} is outside {list(region.lengths)}")
+        elif not b.is_empty():
+            inside.append(b)
+    if problems:
+        return problems[:limit]
+    if region.is_empty():
+        return []
+    if region.ndim == 0:
+        if len(inside) != 1:
+            problems.append(f"0-d tensor has {len(inside)} slices, expected 1")
+        return problems
+    _check_group(inside, region, problems, limit)
+    return problems[:limit]
+
+
+def _describe(b: Box) -> str:
+    return f"{list(b.offsets)}+{list(b.lengths)}"
+
+
+def _check_group(boxes: list[Box], region: Box, problems: list[str], limit: int) -> None:
+    stack = [(boxes, region)]
+    while stack and len(problems) < limit:
+        group, reg = stack.pop()
+        if not group:
+            problems.append(f"region {_describe(reg)} is not covered by any slice")
+            continue
+        if len(group) == 1:
+            if group[0] != reg:
+                problems.append(f"slice {_describe(group[0])} leaves part of {_describe(reg)} uncovered")
+            continue
+        split = _find_cut(group, reg)
+        if split is None:
+            _pairwise(group, reg, problems, limit)
+            continue
+        d, cut = split
+        lo = [b for b in group if b.offsets[d] + b.lengths[d] <= cut]
+        hi = [b for b in group if b.offsets[d] >= cut]
+        o = reg.offsets
+        n = reg.lengths
+        lo_reg = Box(o, n[:d] + (cut - o[d],) + n[d + 1:])
+        hi_reg = Box(o[:d] + (cut,) + o[d + 1:], n[:d] + (o[d] + n[d] - cut,) + n[d + 1:])
+        stack.append((hi, hi_reg))
+        stack.append((lo, lo_reg))
+
+
+def _find_cut(group: list[Box], reg: Box) -> tuple[int, int] | None:
+    """Return (dim, position) where every box lies on one side, or None."""
+    for d in range(reg.ndim):
+        order = sorted(group, key=lambda b: b.offsets[d])
+        reach = order[0].offsets[d] + order[0].lengths[d]
+        if order[0].offsets[d] > reg.offsets[d]:
+            return d, order[0].offsets[d]  # a gap at the start: cut there to report it
+        for b in order[1:]:
+            if b.offsets[d] >= reach:
+                return d, b.offsets[d] if b.offsets[d] > reach else reach
+            reach = max(reach, b.offsets[d] + b.lengths[d])
+        if reach < reg.offsets[d] + reg.lengths[d]:
+            return d, reach  # a gap at the end
+    return None
+
+
+def _pairwise(group: list[Box], reg: Box, problems: list[str], limit: int) -> None:
+    order = sorted(group, key=lambda b: b.offsets)
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            if intersect(a, b) is not None:
+                problems.append(f"slices {_describe(a)} and {_describe(b)} overlap")
+                if len(problems) >= limit:
+                    return
+    if not problems and sum(b.numel for b in group) != reg.numel:
+        problems.append(f"slices cover {sum(b.numel for b in group)} of the {reg.numel} elements of {_describe(reg)}")

@@ -1,0 +1,207 @@
+"""The load planner: target slices x saved shards -> coalesced ranged reads. Pure, no I/O.
+
+``plan_load(manifest, targets)`` takes each target (a tensor name and the box of it the
+caller wants, in global coordinates), finds the saved shards that overlap it with a sort
+and a sweep per tensor (no all-pairs loop), turns every overlap into byte spans inside the
+shard's row-major data (``geometry.box_spans``), and groups spans per file into physical
+reads: adjacent spans merge when the gap is at most ``max_gap``; a read never grows past
+``max_read`` bytes by merging. With ``verify=True`` each read is rounded out to whole hash
+chunks so every chunk it touches can be checked.
+
+The result names, for every copy, the source bytes (``src_start``/``src_end`` in the
+file, with the source box's ``src_lengths`` and row-major ``src_strides``) and where they
+land (``dst_offsets`` inside the target box).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shardfmt.errors import PlanError, ShapeError
+from shardfmt.hashing import chunk_span
+from shardfmt.manifest import Manifest, ShardRecord
+
+from .geometry import Box, ByteRange, box_spans, intersect, row_major_strides, tiling_problems
+
+DEFAULT_MAX_GAP = 1 << 20  # local disk: reading 1 MiB of gap beats a second request
+DEFAULT_MAX_READ = 64 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetSlice:
+    """The caller wants ``box`` (global coordinates) of tensor ``fqn``; ``index`` names its buffer."""
+
+    index: int
+    fqn: str
+    box: Box
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CopyItem:
+    """Copy the source box at file bytes ``[src_start, src_end)`` into ``dst_offsets`` of target ``target``."""
+
+    target: int
+    src_start: int
+    src_end: int
+    src_lengths: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_offsets: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for x in self.src_lengths:
+            n *= x
+        return n
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhysicalRead:
+    """One ranged read of ``file`` and the copies it feeds."""
+
+    file: str
+    byte_range: ByteRange
+    items: tuple[CopyItem, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadPlan:
+    """Every read a rank issues, per file in offset order, and the bytes it actually needs."""
+
+    reads: tuple[PhysicalRead, ...]
+    needed_bytes: int
+    verify: bool
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(r.byte_range.length for r in self.reads)
+
+    def describe(self) -> list[dict]:
+        """Return a JSON-able description: which file bytes feed which target slice."""
+        out = []
+        for r in self.reads:
+            out.append({
+                "file": r.file,
+                "byte_range": [r.byte_range.start, r.byte_range.end],
+                "copies": [{"target": i.target, "src_bytes": [i.src_start, i.src_end],
+                            "dst_offsets": list(i.dst_offsets), "lengths": list(i.src_lengths)}
+                           for i in r.items],
+            })
+        return out
+
+
+class _ShardIndex:
+    """Shards of one tensor sorted by their dim-0 start, for sweep lookups."""
+
+    __slots__ = ("shards", "starts", "max_len0")
+
+    def __init__(self, shards: Sequence[ShardRecord]) -> None:
+        self.shards = sorted(shards, key=lambda s: s.offsets[:1])
+        self.starts = [s.offsets[0] if s.offsets else 0 for s in self.shards]
+        self.max_len0 = max((s.lengths[0] if s.lengths else 1 for s in self.shards), default=0)
+
+    def overlapping(self, box: Box) -> list[tuple[ShardRecord, Box]]:
+        if box.ndim == 0:
+            return [(s, Box((), ())) for s in self.shards]
+        lo = bisect.bisect_right(self.starts, box.offsets[0] - self.max_len0)
+        hi = bisect.bisect_left(self.starts, box.offsets[0] + box.lengths[0])
+        out = []
+        for s in self.shards[lo:hi]:
+            inter = intersect(Box(s.offsets, s.lengths), box)
+            if inter is not None and not inter.is_empty():
+                out.append((s, inter))
+        return out
+
+
+def plan_load(
+    manifest: Manifest,
+    targets: Sequence[TargetSlice],
+    *,
+    verify: bool = True,
+    max_gap: int = DEFAULT_MAX_GAP,
+    max_read: int = DEFAULT_MAX_READ,
+) -> LoadPlan:
+    """Return the reads and copies that fill every target from the manifest's shards."""
+    indexes: dict[str, _ShardIndex] = {}
+    per_file: dict[str, list[CopyItem]] = {}
+    needed = 0
+    for t in targets:
+        try:
+            rec = manifest.tensor(t.fqn)
+        except KeyError:
+            raise PlanError(f"tensor {t.fqn!r} is not in the checkpoint") from None
+        if rec.alias_of is not None or rec.view is not None:
+            raise PlanError(f"tensor {t.fqn!r} is an alias/view; resolve it before planning")
+        if t.box.ndim != len(rec.shape) or not Box.full(rec.shape).contains(t.box):
+            raise ShapeError(f"tensor {t.fqn!r}: requested slice {list(t.box.offsets)}+{list(t.box.lengths)} "
+                             f"is outside its shape {list(rec.shape)}")
+        if t.box.is_empty():
+            continue
+        idx = indexes.get(t.fqn)
+        if idx is None:
+            idx = indexes[t.fqn] = _ShardIndex(rec.shards)
+        hits = idx.overlapping(t.box)
+        problems = tiling_problems([inter for _, inter in hits], t.box, limit=1)
+        if problems:
+            raise PlanError(f"tensor {t.fqn!r}: the saved shards do not cover the requested slice "
+                            f"{list(t.box.offsets)}+{list(t.box.lengths)} exactly ({problems[0]})")
+        isz = rec.itemsize
+        needed += t.box.numel * isz
+        for shard, inter in hits:
+            local = inter.relative_to(Box(shard.offsets, shard.lengths))
+            strides = row_major_strides(shard.lengths)
+            base = shard.byte_range[0]
+            items = per_file.setdefault(shard.file, [])
+            for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=max_read):
+                items.append(CopyItem(
+                    target=t.index,
+                    src_start=base + span.start,
+                    src_end=base + span.end,
+                    src_lengths=span.box.lengths,
+                    src_strides=strides,
+                    dst_offsets=tuple(shard.offsets[d] + span.box.offsets[d] - t.box.offsets[d]
+                                      for d in range(t.box.ndim)),
+                ))
+    reads: list[PhysicalRead] = []
+    for fname in sorted(per_file):
+        reads.extend(_group(fname, per_file[fname], manifest, verify=verify, max_gap=max_gap, max_read=max_read))
+    return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify)
+
+
+def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: bool,
+           max_gap: int, max_read: int) -> list[PhysicalRead]:
+    size = manifest.files[fname].size
+    chunk = manifest.chunk_size
+
+    def outer(i: CopyItem) -> tuple[int, int]:
+        if not verify:
+            return i.src_start, i.src_end
+        span = chunk_span(i.src_start, i.src_end, chunk)
+        return span.start * chunk, min(span.stop * chunk, size)
+
+    items.sort(key=lambda i: (i.src_start, i.src_end))
+    out: list[PhysicalRead] = []
+    cur: list[CopyItem] = []
+    cur_start = cur_end = 0
+    for it in items:
+        s, e = outer(it)
+        if cur and s - cur_end <= max_gap and max(e, cur_end) - cur_start <= max_read:
+            cur.append(it)
+            cur_end = max(cur_end, e)
+            continue
+        if cur:
+            out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, cur_end), items=tuple(cur)))
+        cur, cur_start, cur_end = [it], s, e
+    if cur:
+        out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, cur_end), items=tuple(cur)))
+    return out
+
+
+def group_targets_by_file(plan: LoadPlan) -> Mapping[str, int]:
+    """Return bytes read per file (for reports)."""
+    out: dict[str, int] = {}
+    for r in plan.reads:
+        out[r.file] = out.get(r.file, 0) + r.byte_range.length
+    return out

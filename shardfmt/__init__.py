@@ -1,0 +1,68 @@
+"""shardfmt: a distributed, sharded, pickle-free checkpoint format for PyTorch.
+
+Public API only; the implementation lives in the submodules.
+"""
+
+__version__ = "0.1.0"
+
+from .api import LoadReport, load, save  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    DTypeError,
+    EncodingError,
+    FormatVersionError,
+    HeaderError,
+    IntegrityError,
+    ManifestError,
+    MissingKeyError,
+    PlanError,
+    ShapeError,
+    ShardfmtError,
+    StateDictError,
+    StorageError,
+)
+from .manifest import Manifest  # noqa: E402
+from .reader import open_checkpoint, read_manifest  # noqa: E402
+from .state import PerRank, ShardedTensor  # noqa: E402
+from .writer import CheckpointWriter, ShardData  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "LoadReport",
+    "read_manifest",
+    "open_checkpoint",
+    "validate",
+    "ValidationReport",
+    "Manifest",
+    "ShardedTensor",
+    "PerRank",
+    "CheckpointWriter",
+    "ShardData",
+    "ShardfmtError",
+    "ManifestError",
+    "FormatVersionError",
+    "HeaderError",
+    "IntegrityError",
+    "CommitError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "StateDictError",
+    "DTypeError",
+    "ShapeError",
+    "MissingKeyError",
+    "EncodingError",
+    "PlanError",
+    "StorageError",
+]
+
+
+def __getattr__(name):
+    if name in ("validate", "ValidationReport"):
+        from . import validate as _v
+
+        return getattr(_v, name if name != "validate" else "validate")
+    raise AttributeError(name)

@@ -1,0 +1,155 @@
+"""The commit protocol: stage -> data files -> manifest -> COMMITTED -> publish.
+
+Local disk (atomic rename)::
+
+    1) every data file is written into ``<path>.tmp-<save_id>/data/`` and fsynced
+    2) ``manifest.json`` is written and fsynced                      step "manifest_written"
+    3) ``COMMITTED`` (manifest digest + save id) is written, fsynced  step "committed_written"
+    4) the staging dir and its data dir are fsynced                   step "staging_synced"
+    5) publish: rename staging -> ``<path>``; if a committed checkpoint is already there
+       (``overwrite=True``) the two are swapped atomically with renameat2(RENAME_EXCHANGE),
+       falling back to rename-aside (``<path>.old-<save_id>``) where unsupported  "published"
+    6) the parent dir is fsynced                                      step "parent_synced"
+    7) the previous checkpoint, now in the staging name, is removed   step "cleaned"
+
+A crash at any point leaves ``<path>`` absent or committed, never torn; after step 5 the
+new checkpoint is the one at ``<path>``. Object stores cannot rename: there the files go
+straight under ``<path>`` and the ``COMMITTED`` object, written last, is the commit.
+
+``on_step`` is called with each step's name after it completes (tests raise from it to
+simulate a crash at that point).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable
+
+from . import hashing
+from .errors import CheckpointExistsError, CommitError, ShardfmtError, StorageError
+from .manifest import COMMITTED_NAME, DATA_DIR, MANIFEST_NAME, CommitRecord, Manifest
+from .storage import Storage
+
+StepHook = Callable[[str], None]
+
+STEPS = (
+    "files_written",
+    "manifest_written",
+    "committed_written",
+    "staging_synced",
+    "published",
+    "parent_synced",
+    "cleaned",
+)
+
+
+def staging_path(path: str, save_id: str) -> str:
+    return f"{path}.tmp-{save_id}"
+
+
+def aside_path(path: str, save_id: str) -> str:
+    return f"{path}.old-{save_id}"
+
+
+def _basename(path: str) -> str:
+    return posixpath.basename(path.rstrip("/"))
+
+
+def is_committed(storage: Storage, path: str) -> bool:
+    return storage.exists(storage.join(path, COMMITTED_NAME))
+
+
+def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool) -> str:
+    """Check the destination, create the staging dir, and return where files go."""
+    if storage.exists(path):
+        if is_committed(storage, path):
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"{path}: a committed checkpoint is already there (pass overwrite=True to replace it)"
+                )
+            if not storage.atomic_rename:
+                raise CommitError(f"{path}: overwriting a checkpoint on this storage is not supported; "
+                                  "save to a new path")
+        elif storage.isdir(path) and storage.listdir(path) and not overwrite:
+            raise CheckpointExistsError(
+                f"{path}: exists, is not empty and is not a committed checkpoint; refusing to replace it "
+                "(pass overwrite=True)"
+            )
+        elif not storage.atomic_rename:
+            storage.remove_tree(path)  # an uncommitted leftover: nothing a loader trusts
+    target = staging_path(path, save_id) if storage.atomic_rename else path
+    if storage.exists(target):
+        raise CommitError(f"{target}: staging location already exists (save id reused?)")
+    storage.makedirs(storage.join(target, DATA_DIR))
+    return target
+
+
+def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
+            *, on_step: StepHook | None = None) -> CommitRecord:
+    """Run steps 2-7 of the protocol for files already written under ``staging``."""
+    step = on_step or (lambda name: None)
+    step("files_written")
+    manifest_bytes = manifest.to_json()
+    record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
+    storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
+    step("manifest_written")
+    storage.write_bytes(storage.join(staging, COMMITTED_NAME), record.to_json())
+    step("committed_written")
+    if not storage.atomic_rename:
+        step("published")
+        return record
+    storage.sync_dir(storage.join(staging, DATA_DIR))
+    storage.sync_dir(staging)
+    step("staging_synced")
+    parent = posixpath.dirname(path.rstrip("/")) or "."
+    if not storage.exists(path):
+        storage.rename(staging, path)
+        step("published")
+        storage.sync_dir(parent)
+        step("parent_synced")
+        step("cleaned")
+        return record
+    if storage.isdir(path) and not storage.listdir(path):
+        storage.rename(staging, path)  # replaces an empty directory atomically
+        step("published")
+        storage.sync_dir(parent)
+        step("parent_synced")
+        step("cleaned")
+        return record
+    try:
+        storage.exchange(staging, path)
+        old = staging
+    except StorageError:
+        old = aside_path(path, manifest.save_id)
+        storage.rename(path, old)
+        storage.rename(staging, path)
+    step("published")
+    storage.sync_dir(parent)
+    step("parent_synced")
+    storage.remove_tree(old)
+    step("cleaned")
+    return record
+
+
+def abort(storage: Storage, staging: str) -> None:
+    """Remove a failed save's staging dir (best effort; a leftover is ignorable)."""
+    try:
+        storage.remove_tree(staging)
+    except (OSError, ShardfmtError):
+        pass
+
+
+def committed_aside(storage: Storage, path: str) -> str | None:
+    """Return a committed ``<path>.old-*`` left by a rename-aside overwrite that crashed."""
+    parent = posixpath.dirname(path.rstrip("/")) or "."
+    prefix = _basename(path) + ".old-"
+    try:
+        names = storage.listdir(parent)
+    except ShardfmtError:
+        return None
+    for name in names:
+        if name.startswith(prefix):
+            cand = storage.join(parent, name)
+            if is_committed(storage, cand):
+                return cand
+    return None

@@ -1,0 +1,67 @@
+"""The project's error types: every failure a user can cause or meet is one of these.
+
+Each error's message names the file, tensor or key and the cause. Callers can catch
+``ShardfmtError`` to handle every failure of the format, or a subclass to handle one kind.
+"""
+
+from __future__ import annotations
+
+
+class ShardfmtError(Exception):
+    """Base of every error raised by shardfmt and reshard."""
+
+
+class ManifestError(ShardfmtError):
+    """The manifest is unreadable, malformed, or contradicts itself."""
+
+
+class FormatVersionError(ManifestError):
+    """The checkpoint was written in a format version this reader does not support."""
+
+
+class HeaderError(ShardfmtError):
+    """A safetensors header is malformed or disagrees with the manifest."""
+
+
+class IntegrityError(ShardfmtError):
+    """Bytes on storage do not match their recorded size or hash."""
+
+
+class CommitError(ShardfmtError):
+    """A checkpoint is not committed, or committing one failed."""
+
+
+class CheckpointExistsError(CommitError):
+    """A committed checkpoint already exists where a save was asked to write."""
+
+
+class CheckpointNotFoundError(ShardfmtError):
+    """No checkpoint exists at the given path."""
+
+
+class StateDictError(ShardfmtError):
+    """A state dict cannot be saved or loaded as given (bad key, unsupported value, mismatch)."""
+
+
+class DTypeError(StateDictError):
+    """A dtype cannot be stored, or a target's dtype differs from the checkpoint's."""
+
+
+class ShapeError(StateDictError):
+    """A target's shape or slice does not fit the checkpoint's tensor."""
+
+
+class MissingKeyError(StateDictError):
+    """A key the caller asked for is not in the checkpoint."""
+
+
+class EncodingError(StateDictError):
+    """A non-tensor value cannot be encoded as typed JSON (never pickled)."""
+
+
+class PlanError(ShardfmtError):
+    """A load plan cannot be made: the saved shards do not cover a requested slice."""
+
+
+class StorageError(ShardfmtError):
+    """The storage backend failed (missing path, permission, network, full disk)."""

@@ -1,0 +1,177 @@
+"""Typed JSON for non-tensor values: exact round trips without pickle.
+
+Plain JSON carries ``None``, ``bool``, ``str``, 64-bit ``int``, finite ``float``, lists and
+dicts with string keys. Everything else this module accepts is a one-key object whose
+key starts with ``$`` (the tag):
+
+==============  ===========================================================
+``$tuple``      a tuple: a list of encoded items
+``$dict``       a dict whose keys are not all plain strings (or a key starts
+                with ``$``): a list of ``[key, value]`` pairs, both encoded
+``$float``      ``"nan"``, ``"inf"`` or ``"-inf"``
+``$int``        an int outside the signed 64-bit range, as a decimal string
+``$bytes``      bytes, base64 (standard alphabet, padded)
+``$ndarray``    ``{"dtype": numpy dtype str, "shape": [...], "data": base64}``,
+                little-endian C order
+``$npscalar``   ``{"dtype": ..., "data": base64}``: a numpy scalar
+==============  ===========================================================
+
+Because a plain dict never has a ``$`` key (such a dict is written as ``$dict``), a
+one-key object with a ``$`` key is always a tag. Anything else is refused with an
+``EncodingError`` naming the key: loading a checkpoint never runs code.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import EncodingError
+
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
+_NP_KINDS = frozenset("biufc")  # numeric and bool numpy dtypes only (no object, no void)
+
+
+def encode(value: Any, *, where: str = "value") -> Any:
+    """Return the typed-JSON form of ``value``; raise EncodingError naming ``where``."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int) and not isinstance(value, np.integer):
+        if _I64_MIN <= value <= _I64_MAX:
+            return int(value)
+        return {"$int": str(int(value))}
+    if isinstance(value, float) and not isinstance(value, np.floating):
+        if math.isfinite(value):
+            return float(value)
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, list):
+        return [encode(v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [encode(v, where=f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: encode(v, where=f"{where}.{k}") for k, v in value.items()}
+        return {
+            "$dict": [
+                [encode(k, where=f"{where} (key {k!r})"), encode(v, where=f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _NP_KINDS:
+            raise EncodingError(f"{where}: numpy array of dtype {value.dtype} cannot be stored")
+        arr = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False)
+        return {
+            "$ndarray": {
+                "dtype": arr.dtype.str,
+                "shape": list(arr.shape),
+                "data": base64.b64encode(arr.tobytes()).decode("ascii"),
+            }
+        }
+    if isinstance(value, np.generic):
+        if value.dtype.kind not in _NP_KINDS:
+            raise EncodingError(f"{where}: numpy scalar of dtype {value.dtype} cannot be stored")
+        arr = np.asarray(value).astype(value.dtype.newbyteorder("<"))
+        return {
+            "$npscalar": {
+                "dtype": arr.dtype.str,
+                "data": base64.b64encode(arr.tobytes()).decode("ascii"),
+            }
+        }
+    raise EncodingError(
+        f"{where}: cannot store a value of type {type(value).__module__}.{type(value).__qualname__} "
+        "(shardfmt stores tensors and typed JSON only, never pickle)"
+    )
+
+
+def decode(data: Any, *, where: str = "value") -> Any:
+    """Return the Python value of typed JSON ``data``; raise EncodingError if malformed."""
+    if data is None or isinstance(data, (bool, int, float, str)):
+        return data
+    if isinstance(data, list):
+        return [decode(v, where=f"{where}[{i}]") for i, v in enumerate(data)]
+    if not isinstance(data, dict):
+        raise EncodingError(f"{where}: unexpected JSON value of type {type(data).__name__}")
+    if len(data) == 1:
+        (tag, body), = data.items()
+        if tag.startswith("$"):
+            return _decode_tag(tag, body, where)
+    for k in data:
+        if k.startswith("$"):
+            raise EncodingError(f"{where}: plain object with tag-like key {k!r}")
+    return {k: decode(v, where=f"{where}.{k}") for k, v in data.items()}
+
+
+def _b64(text: Any, where: str) -> bytes:
+    if not isinstance(text, str):
+        raise EncodingError(f"{where}: base64 payload must be a string")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise EncodingError(f"{where}: invalid base64 payload ({e})") from None
+
+
+def _np_dtype(text: Any, where: str) -> np.dtype:
+    try:
+        dt = np.dtype(text) if isinstance(text, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in _NP_KINDS:
+        raise EncodingError(f"{where}: unsupported numpy dtype {text!r}")
+    return dt
+
+
+def _decode_tag(tag: str, body: Any, where: str) -> Any:
+    if tag == "$tuple":
+        if not isinstance(body, list):
+            raise EncodingError(f"{where}: $tuple needs a list")
+        return tuple(decode(v, where=f"{where}[{i}]") for i, v in enumerate(body))
+    if tag == "$dict":
+        if not isinstance(body, list) or not all(isinstance(p, list) and len(p) == 2 for p in body):
+            raise EncodingError(f"{where}: $dict needs a list of [key, value] pairs")
+        out = {}
+        for k, v in body:
+            key = decode(k, where=f"{where} (key)")
+            try:
+                out[key] = decode(v, where=f"{where}[{key!r}]")
+            except TypeError:
+                raise EncodingError(f"{where}: unhashable dict key {key!r}") from None
+        return out
+    if tag == "$float":
+        if body not in ("nan", "inf", "-inf"):
+            raise EncodingError(f"{where}: bad $float {body!r}")
+        return float(body)
+    if tag == "$int":
+        if not isinstance(body, str) or not body.lstrip("-").isdigit() or len(body) > 4300:
+            raise EncodingError(f"{where}: bad $int {body!r}")
+        return int(body)
+    if tag == "$bytes":
+        return _b64(body, where)
+    if tag == "$ndarray":
+        if not isinstance(body, dict) or set(body) != {"dtype", "shape", "data"}:
+            raise EncodingError(f"{where}: $ndarray needs dtype, shape and data")
+        dt = _np_dtype(body["dtype"], where)
+        shape = body["shape"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise EncodingError(f"{where}: bad $ndarray shape {shape!r}")
+        raw = _b64(body["data"], where)
+        if len(raw) != math.prod(shape) * dt.itemsize:
+            raise EncodingError(f"{where}: $ndarray data is {len(raw)} bytes, shape {shape} needs "
+                                f"{math.prod(shape) * dt.itemsize}")
+        arr = np.frombuffer(raw, dtype=dt).reshape(shape)
+        return arr.astype(dt.newbyteorder("="), copy=True)
+    if tag == "$npscalar":
+        if not isinstance(body, dict) or set(body) != {"dtype", "data"}:
+            raise EncodingError(f"{where}: $npscalar needs dtype and data")
+        dt = _np_dtype(body["dtype"], where)
+        raw = _b64(body["data"], where)
+        if len(raw) != dt.itemsize:
+            raise EncodingError(f"{where}: $npscalar data has {len(raw)} bytes, expected {dt.itemsize}")
+        return np.frombuffer(raw, dtype=dt)[0].astype(dt.newbyteorder("="))
+    raise EncodingError(f"{where}: unknown tag {tag!r}")

@@ -1,0 +1,549 @@
+"""The manifest: immutable records and their JSON form. No I/O happens here.
+
+``Manifest.to_json()`` is deterministic (sorted keys, no whitespace), so the same state
+and pinned clock give the same bytes. ``parse_manifest(raw)`` checks every field with
+its own parser and raises ``ManifestError`` naming the field path; the full JSON Schema
+check lives in the validator. Limits guard against hostile input (see spec/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from . import hashing
+from .dtypes import SUPPORTED_DTYPES, itemsize
+from .errors import FormatVersionError, ManifestError
+
+FORMAT_NAME = "shardfmt"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+COMMITTED_NAME = "COMMITTED"
+DATA_DIR = "data"
+
+MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller
+MAX_COMMITTED_BYTES = 1 << 16
+MAX_NDIM = 64
+MAX_DIM = 1 << 53  # JSON-safe integer range
+
+_FILE_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
+_MESH_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def rank_file_name(rank: int, part: int | None = None) -> str:
+    """Return the data file name of ``rank`` (and of its ``part`` when a rank writes several)."""
+    if part is None:
+        return f"{DATA_DIR}/rank_{rank:05d}.safetensors"
+    return f"{DATA_DIR}/rank_{rank:05d}_part_{part:03d}.safetensors"
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardRecord:
+    """One stored slice of a tensor: its box in global coordinates and where its bytes are."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    key: str
+    byte_range: tuple[int, int]
+    digest: str
+
+    def to_json(self) -> dict:
+        return {
+            "offsets": list(self.offsets),
+            "lengths": list(self.lengths),
+            "file": self.file,
+            "key": self.key,
+            "byte_range": list(self.byte_range),
+            "digest": self.digest,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """How a tensor was laid out over the mesh: symbolic, so boxes can be derived.
+
+    ``shard`` lists ``(tensor_dim, mesh_dim)`` pairs, outermost mesh split first;
+    ``replicate`` names the mesh dims holding copies; ``stage`` the owning PP stage.
+    """
+
+    shard: tuple[tuple[int, str], ...] = ()
+    replicate: tuple[str, ...] = ()
+    stage: int | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "shard": [[d, m] for d, m in self.shard],
+            "replicate": list(self.replicate),
+            "stage": self.stage,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ViewRecord:
+    """A tensor stored as a strided view of a storage record (views of one buffer)."""
+
+    base: str
+    storage_offset: int
+    stride: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"base": self.base, "storage_offset": self.storage_offset, "stride": list(self.stride)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorRecord:
+    """A global tensor: dtype, shape, and either shards, an alias, or a view."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardRecord, ...] = ()
+    placement: Placement | None = None
+    alias_of: str | None = None
+    view: ViewRecord | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_json(self) -> dict:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.alias_of is not None:
+            out["alias_of"] = self.alias_of
+        elif self.view is not None:
+            out["view"] = self.view.to_json()
+        else:
+            out["shards"] = [s.to_json() for s in self.shards]
+        if self.placement is not None:
+            out["placement"] = self.placement.to_json()
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValueRecord:
+    """A non-tensor value in typed JSON: one replicated value, or one per rank."""
+
+    value: Any = None
+    per_rank: Mapping[int, Any] | None = None
+
+    def to_json(self) -> dict:
+        if self.per_rank is not None:
+            return {"per_rank": {str(r): v for r, v in sorted(self.per_rank.items())}}
+        return {"value": self.value}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FileRecord:
+    """A data file: its writer rank, size, and the digests of its chunks."""
+
+    rank: int
+    size: int
+    chunks: tuple[str, ...]
+    digest: str
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "size": self.size, "digest": self.digest, "chunks": list(self.chunks)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """World size and the named mesh (outermost dim first; rank = row-major index)."""
+
+    world_size: int = 1
+    mesh: tuple[tuple[str, int], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "mesh": [{"name": n, "size": s} for n, s in self.mesh]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """Everything needed to find and verify every byte of a checkpoint."""
+
+    save_id: str
+    created_at: str
+    step: int | None = None
+    writer: Mapping[str, str] = field(default_factory=dict)
+    hash_algorithm: str = hashing.ALGORITHM
+    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE
+    metadata: Any = None
+    topology: Topology = field(default_factory=Topology)
+    files: Mapping[str, FileRecord] = field(default_factory=dict)
+    tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
+    storages: Mapping[str, TensorRecord] = field(default_factory=dict)
+    values: Mapping[str, ValueRecord] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json_obj(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "save_id": self.save_id,
+            "step": self.step,
+            "created_at": self.created_at,
+            "writer": dict(self.writer),
+            "hash_algorithm": self.hash_algorithm,
+            "chunk_size": self.chunk_size,
+            "metadata": self.metadata,
+            "topology": self.topology.to_json(),
+            "files": {k: v.to_json() for k, v in self.files.items()},
+            "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            "storages": {k: v.to_json() for k, v in self.storages.items()},
+            "values": {k: v.to_json() for k, v in self.values.items()},
+        }
+
+    def to_json(self) -> bytes:
+        """Return the manifest's canonical bytes (sorted keys, compact, trailing newline)."""
+        return orjson.dumps(self.to_json_obj(), option=orjson.OPT_SORT_KEYS) + b"\n"
+
+    def tensor(self, fqn: str) -> TensorRecord:
+        """Return the record of ``fqn``, or of the storage named so."""
+        rec = self.tensors.get(fqn)
+        if rec is None:
+            rec = self.storages.get(fqn)
+        if rec is None:
+            raise KeyError(fqn)
+        return rec
+
+    def resolve(self, fqn: str) -> tuple[str, TensorRecord]:
+        """Follow ``alias_of`` links and return the name and record that hold the data."""
+        seen = set()
+        rec = self.tensor(fqn)
+        while rec.alias_of is not None:
+            if fqn in seen:
+                raise ManifestError(f"tensors[{fqn!r}]: alias cycle")
+            seen.add(fqn)
+            fqn = rec.alias_of
+            rec = self.tensor(fqn)
+        return fqn, rec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommitRecord:
+    """The content of ``COMMITTED``: which manifest, by hash, was committed by which save."""
+
+    save_id: str
+    manifest_digest: str
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {"format": FORMAT_NAME, "save_id": self.save_id, "manifest_digest": self.manifest_digest},
+            option=orjson.OPT_SORT_KEYS,
+        ) + b"\n"
+
+
+# --------------------------------------------------------------------------- parsing
+
+Migration = Callable[[dict], dict]
+_MIGRATIONS: dict[int, Migration] = {}
+
+
+def register_migration(from_version: int) -> Callable[[Migration], Migration]:
+    """Register a function that upgrades a manifest object of ``from_version`` by one version."""
+
+    def deco(fn: Migration) -> Migration:
+        _MIGRATIONS[from_version] = fn
+        return fn
+
+    return deco
+
+
+def _fail(where: str, msg: str) -> ManifestError:
+    return ManifestError(f"manifest {where}: {msg}")
+
+
+def _int(v: Any, where: str, *, lo: int = 0, hi: int = MAX_DIM) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _fail(where, f"expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(v: Any, where: str, *, max_len: int = 4096) -> str:
+    if not isinstance(v, str) or len(v) > max_len:
+        raise _fail(where, f"expected a string of at most {max_len} characters, got {type(v).__name__}")
+    return v
+
+
+def _obj(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(where, f"expected an object, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str, *, max_len: int = 1 << 31) -> list:
+    if not isinstance(v, list) or len(v) > max_len:
+        raise _fail(where, f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def _keys(obj: dict, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
+    missing = required - obj.keys()
+    if missing:
+        raise _fail(where, f"missing field(s) {sorted(missing)}")
+    extra = obj.keys() - required - optional
+    if extra:
+        raise _fail(where, f"unknown field(s) {sorted(extra)}")
+
+
+def _digest(v: Any, where: str) -> str:
+    try:
+        hashing.parse_digest(v)
+    except ValueError as e:
+        raise _fail(where, str(e)) from None
+    return v
+
+
+def _dims(v: Any, where: str) -> tuple[int, ...]:
+    lst = _list(v, where, max_len=MAX_NDIM)
+    return tuple(_int(x, f"{where}[{i}]") for i, x in enumerate(lst))
+
+
+def parse_file_name(v: Any, where: str) -> str:
+    """Accept only ``data/<name>.safetensors``: no absolute paths, no ``..``, no odd bytes."""
+    s = _str(v, where)
+    if not _FILE_RE.match(s) or ".." in s:
+        raise _fail(where, f"file path {s!r} is not of the form data/<name>.safetensors")
+    return s
+
+
+def _parse_shard(v: Any, where: str, *, ndim: int, shape: tuple[int, ...], isz: int,
+                 files: Mapping[str, FileRecord]) -> ShardRecord:
+    o = _obj(v, where)
+    _keys(o, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
+    offsets = _dims(o["offsets"], where + ".offsets")
+    lengths = _dims(o["lengths"], where + ".lengths")
+    if len(offsets) != ndim or len(lengths) != ndim:
+        raise _fail(where, f"offsets/lengths have rank {len(offsets)}/{len(lengths)}, tensor has {ndim}")
+    for d, (off, n, s) in enumerate(zip(offsets, lengths, shape)):
+        if off + n > s:
+            raise _fail(where, f"dim {d}: slice [{off}, {off + n}) is outside the shape {list(shape)}")
+    fname = parse_file_name(o["file"], where + ".file")
+    if fname not in files:
+        raise _fail(where + ".file", f"{fname!r} is not listed in files")
+    br = _list(o["byte_range"], where + ".byte_range", max_len=2)
+    if len(br) != 2:
+        raise _fail(where + ".byte_range", "expected [start, end]")
+    start = _int(br[0], where + ".byte_range[0]", hi=1 << 62)
+    end = _int(br[1], where + ".byte_range[1]", hi=1 << 62)
+    want = math.prod(lengths) * isz
+    if end - start != want:
+        raise _fail(where + ".byte_range", f"[{start}, {end}) holds {end - start} bytes, the slice needs {want}")
+    if end > files[fname].size:
+        raise _fail(where + ".byte_range", f"[{start}, {end}) is past the end of {fname} ({files[fname].size} bytes)")
+    return ShardRecord(
+        offsets=offsets, lengths=lengths, file=fname, key=_str(o["key"], where + ".key"),
+        byte_range=(start, end), digest=_digest(o["digest"], where + ".digest"),
+    )
+
+
+def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
+    if v is None:
+        return None
+    o = _obj(v, where)
+    _keys(o, where, {"shard", "replicate", "stage"})
+    shard = []
+    for i, pair in enumerate(_list(o["shard"], where + ".shard", max_len=MAX_NDIM)):
+        p = _list(pair, f"{where}.shard[{i}]", max_len=2)
+        if len(p) != 2:
+            raise _fail(f"{where}.shard[{i}]", "expected [tensor_dim, mesh_dim]")
+        shard.append((_int(p[0], f"{where}.shard[{i}][0]", hi=max(ndim - 1, 0)),
+                      _str(p[1], f"{where}.shard[{i}][1]", max_len=64)))
+    rep = tuple(_str(x, f"{where}.replicate[{i}]", max_len=64)
+                for i, x in enumerate(_list(o["replicate"], where + ".replicate", max_len=MAX_NDIM)))
+    stage = None if o["stage"] is None else _int(o["stage"], where + ".stage", hi=1 << 20)
+    return Placement(shard=tuple(shard), replicate=rep, stage=stage)
+
+
+def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]) -> TensorRecord:
+    o = _obj(v, where)
+    _keys(o, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
+    dtype = _str(o["dtype"], where + ".dtype", max_len=32)
+    if dtype not in SUPPORTED_DTYPES:
+        raise _fail(where + ".dtype", f"unsupported dtype {dtype!r}")
+    shape = _dims(o["shape"], where + ".shape")
+    if math.prod(shape) * itemsize(dtype) > 1 << 62:
+        raise _fail(where + ".shape", f"{list(shape)} is impossibly large")
+    kinds = [k for k in ("shards", "alias_of", "view") if k in o]
+    if len(kinds) != 1:
+        raise _fail(where, f"needs exactly one of shards, alias_of, view (has {kinds})")
+    placement = _parse_placement(o.get("placement"), where + ".placement", len(shape))
+    if "alias_of" in o:
+        return TensorRecord(dtype=dtype, shape=shape, placement=placement,
+                            alias_of=_str(o["alias_of"], where + ".alias_of"))
+    if "view" in o:
+        vo = _obj(o["view"], where + ".view")
+        _keys(vo, where + ".view", {"base", "storage_offset", "stride"})
+        stride = _dims(vo["stride"], where + ".view.stride")
+        if len(stride) != len(shape):
+            raise _fail(where + ".view.stride", f"rank {len(stride)} != shape rank {len(shape)}")
+        view = ViewRecord(base=_str(vo["base"], where + ".view.base"),
+                          storage_offset=_int(vo["storage_offset"], where + ".view.storage_offset"),
+                          stride=stride)
+        return TensorRecord(dtype=dtype, shape=shape, placement=placement, view=view)
+    isz = itemsize(dtype)
+    shards = tuple(
+        _parse_shard(s, f"{where}.shards[{i}]", ndim=len(shape), shape=shape, isz=isz, files=files)
+        for i, s in enumerate(_list(o["shards"], where + ".shards"))
+    )
+    return TensorRecord(dtype=dtype, shape=shape, placement=placement, shards=shards)
+
+
+def _parse_file(v: Any, where: str) -> FileRecord:
+    o = _obj(v, where)
+    _keys(o, where, {"rank", "size", "digest", "chunks"})
+    chunks = tuple(_digest(c, f"{where}.chunks[{i}]") for i, c in enumerate(_list(o["chunks"], where + ".chunks")))
+    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=1 << 24),
+                      size=_int(o["size"], where + ".size", hi=1 << 62),
+                      chunks=chunks, digest=_digest(o["digest"], where + ".digest"))
+
+
+def _parse_topology(v: Any, where: str) -> Topology:
+    o = _obj(v, where)
+    _keys(o, where, {"world_size", "mesh"})
+    ws = _int(o["world_size"], where + ".world_size", lo=1, hi=1 << 24)
+    mesh = []
+    for i, d in enumerate(_list(o["mesh"], where + ".mesh", max_len=16)):
+        do = _obj(d, f"{where}.mesh[{i}]")
+        _keys(do, f"{where}.mesh[{i}]", {"name", "size"})
+        name = _str(do["name"], f"{where}.mesh[{i}].name", max_len=64)
+        if not _MESH_NAME_RE.match(name):
+            raise _fail(f"{where}.mesh[{i}].name", f"bad mesh dim name {name!r}")
+        mesh.append((name, _int(do["size"], f"{where}.mesh[{i}].size", lo=1, hi=1 << 24)))
+    if mesh and math.prod(s for _, s in mesh) != ws:
+        raise _fail(where, f"mesh {mesh} does not multiply to world_size {ws}")
+    if len({n for n, _ in mesh}) != len(mesh):
+        raise _fail(where + ".mesh", "duplicate mesh dim names")
+    return Topology(world_size=ws, mesh=tuple(mesh))
+
+
+def _parse_value(v: Any, where: str) -> ValueRecord:
+    o = _obj(v, where)
+    if set(o) == {"value"}:
+        return ValueRecord(value=o["value"])
+    if set(o) == {"per_rank"}:
+        pr = _obj(o["per_rank"], where + ".per_rank")
+        out = {}
+        for k, val in pr.items():
+            if not k.isdigit():
+                raise _fail(where + ".per_rank", f"rank key {k!r} is not a non-negative integer")
+            out[int(k)] = val
+        return ValueRecord(per_rank=out)
+    raise _fail(where, "expected {'value': ...} or {'per_rank': {...}}")
+
+
+def parse_manifest(raw: bytes, *, source: str = "manifest.json") -> Manifest:
+    """Parse and check manifest bytes; raise ManifestError/FormatVersionError naming the field."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{source}: {len(raw)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ManifestError(f"{source}: not valid JSON ({e})") from None
+    return manifest_from_obj(obj, source=source)
+
+
+def manifest_from_obj(obj: Any, *, source: str = "manifest.json") -> Manifest:
+    """Check a decoded manifest object, migrating older versions, and return the record."""
+    if not isinstance(obj, dict):
+        raise ManifestError(f"{source}: top level must be an object")
+    if obj.get("format") != FORMAT_NAME:
+        raise ManifestError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = obj.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ManifestError(f"{source}: format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{source}: written in format version {version}, this reader supports up to "
+            f"{FORMAT_VERSION}; upgrade shardfmt to read it"
+        )
+    while version < FORMAT_VERSION:
+        mig = _MIGRATIONS.get(version)
+        if mig is None:
+            raise FormatVersionError(f"{source}: format version {version} has no migration to {FORMAT_VERSION}")
+        obj = mig(dict(obj))
+        version = obj.get("format_version")
+    try:
+        return _manifest_fields(obj)
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None
+
+
+def _manifest_fields(o: dict) -> Manifest:
+    _keys(o, "", {"format", "format_version", "save_id", "step", "created_at", "writer",
+                  "hash_algorithm", "chunk_size", "metadata", "topology", "files", "tensors",
+                  "storages", "values"})
+    if o["hash_algorithm"] != hashing.ALGORITHM:
+        raise _fail("hash_algorithm", f"unsupported {o['hash_algorithm']!r}")
+    chunk_size = _int(o["chunk_size"], "chunk_size", lo=4096, hi=1 << 30)
+    writer = _obj(o["writer"], "writer")
+    for k, v in writer.items():
+        _str(v, f"writer.{k}", max_len=256)
+    files = {parse_file_name(k, f"files[{k!r}]"): _parse_file(v, f"files[{k!r}]")
+             for k, v in _obj(o["files"], "files").items()}
+    for name, f in files.items():
+        want = max(1, -(-f.size // chunk_size)) if f.size else 0
+        if len(f.chunks) != want:
+            raise _fail(f"files[{name!r}].chunks", f"{len(f.chunks)} chunk digests for {f.size} bytes "
+                        f"(chunk size {chunk_size}) where {want} are needed")
+    tensors = {_str(k, "tensors key"): _parse_tensor(k, v, f"tensors[{k!r}]", files)
+               for k, v in _obj(o["tensors"], "tensors").items()}
+    storages = {_str(k, "storages key"): _parse_tensor(k, v, f"storages[{k!r}]", files)
+                for k, v in _obj(o["storages"], "storages").items()}
+    for name, rec in tensors.items():
+        if rec.alias_of is not None:
+            target = tensors.get(rec.alias_of)
+            if target is None or target.alias_of is not None:
+                raise _fail(f"tensors[{name!r}].alias_of", f"{rec.alias_of!r} is not a stored tensor")
+            if (target.dtype, target.shape) != (rec.dtype, rec.shape):
+                raise _fail(f"tensors[{name!r}]", "alias dtype/shape differ from its target")
+        if rec.view is not None:
+            base = storages.get(rec.view.base)
+            if base is None:
+                raise _fail(f"tensors[{name!r}].view.base", f"{rec.view.base!r} is not in storages")
+            if base.dtype != rec.dtype or len(base.shape) != 1:
+                raise _fail(f"tensors[{name!r}].view", "view must share its storage's dtype; storages are 1-D")
+            extent = rec.view.storage_offset + sum((n - 1) * s for n, s in zip(rec.shape, rec.view.stride)) + 1
+            if math.prod(rec.shape) and extent > base.shape[0]:
+                raise _fail(f"tensors[{name!r}].view", f"reaches element {extent - 1} of a {base.shape[0]}-element storage")
+    step = o["step"]
+    if step is not None:
+        step = _int(step, "step", hi=1 << 62)
+    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]")
+              for k, v in _obj(o["values"], "values").items()}
+    return Manifest(
+        format_version=o["format_version"], save_id=_str(o["save_id"], "save_id", max_len=128),
+        step=step, created_at=_str(o["created_at"], "created_at", max_len=64),
+        writer={k: v for k, v in writer.items()}, chunk_size=chunk_size, metadata=o["metadata"],
+        topology=_parse_topology(o["topology"], "topology"), files=files, tensors=tensors,
+        storages=storages, values=values,
+    )
+
+
+def parse_commit(raw: bytes, *, source: str = "COMMITTED") -> CommitRecord:
+    """Parse a COMMITTED marker."""
+    if len(raw) > MAX_COMMITTED_BYTES:
+        raise ManifestError(f"{source}: {len(raw)} bytes exceeds the {MAX_COMMITTED_BYTES}-byte limit")
+    try:
+        o = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ManifestError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(o, dict) or o.get("format") != FORMAT_NAME:
+        raise ManifestError(f"{source}: not a shardfmt commit marker")
+    try:
+        _keys(o, "", {"format", "save_id", "manifest_digest"})
+        return CommitRecord(save_id=_str(o["save_id"], "save_id", max_len=128),
+                            manifest_digest=_digest(o["manifest_digest"], "manifest_digest"))
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None

@@ -1,0 +1,136 @@
+"""safetensors header encoding and offset math; no filesystem access here.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header + data. The
+header maps each key to ``dtype``, ``shape`` and ``data_offsets`` (half-open, relative to
+the start of the data). Data must be packed with no gap and cover the data section
+exactly. We pad the header with spaces so the data starts on an 8-byte boundary, as the
+reference writer does. A shard's absolute ``byte_range`` is ``8 + N + data_offsets``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from .dtypes import SUPPORTED_DTYPES, itemsize
+from .errors import HeaderError
+
+PREFIX_BYTES = 8
+MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
+ALIGNMENT = 8
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeaderEntry:
+    """One tensor in a safetensors header, with its absolute byte range in the file."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncodedHeader:
+    """A ready-to-write header: its bytes (with prefix) and every entry's placement."""
+
+    data: bytes
+    entries: tuple[HeaderEntry, ...]
+
+    @property
+    def file_size(self) -> int:
+        return self.entries[-1].end if self.entries else len(self.data)
+
+
+def encode_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> EncodedHeader:
+    """Lay out ``(key, dtype, shape)`` tensors in the given order and encode the header."""
+    body: dict = {}
+    if metadata:
+        body["__metadata__"] = dict(metadata)
+    rel = 0
+    layout = []
+    for key, dtype, shape in tensors:
+        if key == "__metadata__" or key in body:
+            raise HeaderError(f"duplicate or reserved safetensors key {key!r}")
+        n = math.prod(shape) * itemsize(dtype)
+        body[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [rel, rel + n]}
+        layout.append((key, dtype, tuple(shape), rel, rel + n))
+        rel += n
+    js = orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
+    pad = (-(PREFIX_BYTES + len(js))) % ALIGNMENT
+    js += b" " * pad
+    if len(js) > MAX_HEADER_BYTES:
+        raise HeaderError(f"safetensors header of {len(js)} bytes exceeds {MAX_HEADER_BYTES}")
+    data_start = PREFIX_BYTES + len(js)
+    entries = tuple(
+        HeaderEntry(key=k, dtype=d, shape=s, start=data_start + a, end=data_start + b)
+        for k, d, s, a, b in layout
+    )
+    return EncodedHeader(data=struct.pack("<Q", len(js)) + js, entries=entries)
+
+
+def header_length(prefix: bytes, *, source: str, file_size: int | None = None) -> int:
+    """Return N from the 8-byte prefix, checked against the limit and the file size."""
+    if len(prefix) < PREFIX_BYTES:
+        raise HeaderError(f"{source}: file is {len(prefix)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:PREFIX_BYTES])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{source}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if file_size is not None and PREFIX_BYTES + n > file_size:
+        raise HeaderError(f"{source}: header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def decode_header(raw: bytes, *, source: str, file_size: int) -> dict[str, HeaderEntry]:
+    """Decode a header (``raw`` = prefix + JSON) and check it against safetensors' rules."""
+    n = header_length(raw, source=source, file_size=file_size)
+    js = raw[PREFIX_BYTES : PREFIX_BYTES + n]
+    if len(js) != n:
+        raise HeaderError(f"{source}: header truncated ({len(js)} of {n} bytes)")
+    try:
+        body = orjson.loads(js)
+    except orjson.JSONDecodeError as e:
+        raise HeaderError(f"{source}: header is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise HeaderError(f"{source}: header is not a JSON object")
+    data_start = PREFIX_BYTES + n
+    out: dict[str, HeaderEntry] = {}
+    for key, info in body.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise HeaderError(f"{source}: __metadata__ must map strings to strings")
+            continue
+        where = f"{source}: tensor {key!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise HeaderError(f"{where}: entry must have exactly dtype, shape, data_offsets")
+        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in SUPPORTED_DTYPES:
+            raise HeaderError(f"{where}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise HeaderError(f"{where}: bad shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offs)
+                or offs[1] < offs[0]):
+            raise HeaderError(f"{where}: bad data_offsets {offs!r}")
+        if offs[1] - offs[0] != math.prod(shape) * itemsize(dtype):
+            raise HeaderError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
+                              f"shape {shape} of {dtype} needs {math.prod(shape) * itemsize(dtype)}")
+        out[key] = HeaderEntry(key=key, dtype=dtype, shape=tuple(shape),
+                               start=data_start + offs[0], end=data_start + offs[1])
+    pos = data_start
+    for e in sorted(out.values(), key=lambda e: (e.start, e.end)):
+        if e.start != pos:
+            raise HeaderError(f"{source}: tensor {e.key!r} starts at byte {e.start}, expected {pos} "
+                              "(data must be packed without gaps or overlaps)")
+        pos = e.end
+    if pos != file_size:
+        raise HeaderError(f"{source}: data ends at byte {pos} but the file has {file_size} bytes")
+    return out

@@ -1,0 +1,125 @@
+"""State dicts <-> flat FQN leaves: what save writes and what load fills.
+
+Nested dicts (str or int keys) and lists/tuples holding tensors flatten to dotted FQNs
+(``model.layers.0.weight``). A subtree with no tensor in it is one leaf: a non-tensor
+value stored as typed JSON. A key containing a dot, an empty key, or two paths that
+flatten to the same FQN raise ``StateDictError``.
+
+``ShardedTensor(local, global_shape, offsets)`` declares that a tensor is one slice of a
+larger global tensor; ``PerRank(value)`` marks a value that differs per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ShapeError, StateDictError
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensor:
+    """``local`` is the slice ``[offsets, offsets + local.shape)`` of a global tensor."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise StateDictError(f"ShardedTensor needs a torch.Tensor, got {type(local).__name__}")
+        gs = tuple(int(x) for x in global_shape)
+        offs = tuple(int(x) for x in offsets)
+        if len(gs) != local.dim() or len(offs) != local.dim():
+            raise ShapeError(f"ShardedTensor: local rank {local.dim()}, global_shape {list(gs)}, offsets {list(offs)}")
+        for d, (o, n, g) in enumerate(zip(offs, local.shape, gs)):
+            if o < 0 or o + n > g:
+                raise ShapeError(f"ShardedTensor: dim {d}: [{o}, {o + n}) outside global size {g}")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "global_shape", gs)
+        object.__setattr__(self, "offsets", offs)
+
+
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """A value that differs per rank (RNG state, per-rank counters): stored per rank."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One flattened leaf and where it lives in the caller's structure."""
+
+    fqn: str
+    value: Any
+    container: Any
+    key: Any
+
+
+def _is_tensor_like(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v)
+
+
+def _is_dtensor(v: Any) -> bool:
+    cls = type(v)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if depth > 200:
+        raise StateDictError("state dict is nested more than 200 levels deep")
+    if _is_tensor_like(v):
+        return True
+    if isinstance(v, PerRank):
+        return False
+    if isinstance(v, dict):
+        return any(_holds_tensor(x, depth + 1) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x, depth + 1) for x in v)
+    return False
+
+
+def _segment(key: Any, prefix: str) -> str:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise StateDictError(f"{prefix or '<root>'}: key {key!r} of type {type(key).__name__} cannot name a "
+                             "tensor (keys on the path to a tensor must be str or int)")
+    seg = str(key)
+    if not seg:
+        raise StateDictError(f"{prefix or '<root>'}: empty key on the path to a tensor")
+    if "." in seg:
+        raise StateDictError(f"{prefix or '<root>'}: key {seg!r} contains a dot, which separates FQN parts")
+    return seg
+
+
+def flatten(state_dict: Any) -> list[Leaf]:
+    """Return the leaves of ``state_dict`` in a deterministic (sorted by FQN) order."""
+    if not isinstance(state_dict, dict):
+        raise StateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
+    leaves: dict[str, Leaf] = {}
+
+    def visit(container: Any, key: Any, value: Any, fqn: str) -> None:
+        if isinstance(value, (dict, list, tuple)) and _holds_tensor(value):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                seg = _segment(k, fqn)
+                visit(value, k, v, f"{fqn}.{seg}" if fqn else seg)
+            return
+        if fqn in leaves:
+            raise StateDictError(f"{fqn}: two entries flatten to the same name")
+        leaves[fqn] = Leaf(fqn, value, container, key)
+
+    for k, v in state_dict.items():
+        visit(state_dict, k, v, _segment(k, ""))
+    return [leaves[k] for k in sorted(leaves)]
+
+
+def set_leaf(leaf: Leaf, value: Any) -> None:
+    """Replace a non-tensor leaf in the caller's structure."""
+    try:
+        leaf.container[leaf.key] = value
+    except TypeError:
+        raise StateDictError(f"{leaf.fqn}: cannot replace a value inside an immutable {type(leaf.container).__name__}") from None

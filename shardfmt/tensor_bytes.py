@@ -1,0 +1,46 @@
+"""Zero-copy byte views of tensors, for writing and for reading straight into memory.
+
+A contiguous CPU tensor is exposed as a memoryview of its own memory (no copy). A
+non-contiguous or non-CPU tensor is copied in bounded row blocks, so writing a strided
+view never materialises the whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+DEFAULT_PIECE_BYTES = 8 << 20
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Return a writable memoryview over a contiguous CPU tensor's bytes."""
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def is_direct(t: torch.Tensor) -> bool:
+    """Whether reads can land in ``t``'s memory without a bounce buffer."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def byte_pieces(t: torch.Tensor, *, piece_bytes: int = DEFAULT_PIECE_BYTES) -> Iterator[memoryview]:
+    """Yield the tensor's bytes in row-major order, in pieces of at most ~``piece_bytes``."""
+    if t.numel() == 0:
+        return
+    if is_direct(t):
+        mv = byte_view(t)
+        for pos in range(0, len(mv), piece_bytes):
+            yield mv[pos : pos + piece_bytes]
+        return
+    if t.dim() == 0:
+        yield byte_view(t.detach().to("cpu").clone())
+        return
+    row_bytes = max(1, t[0].numel() * t.element_size())
+    rows = max(1, piece_bytes // row_bytes)
+    for i in range(0, t.shape[0], rows):
+        block = t[i : i + rows].detach().to("cpu", copy=True).contiguous()
+        yield from byte_pieces(block, piece_bytes=piece_bytes)
