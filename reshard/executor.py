@@ -67,6 +67,8 @@ def _src_view(buf: torch.Tensor, offset: int, item: CopyItem, dtype: torch.dtype
     isz = dtype.itemsize
     nbytes = item.src_end - item.src_start
     raw = buf[offset : offset + nbytes]
+    if offset % isz:
+        raw = raw.clone()  # misaligned for this dtype (a file from another writer): realign
     typed = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
     return typed.as_strided(item.src_lengths, item.src_strides) if item.numel else typed[:0].reshape(item.src_lengths)
 

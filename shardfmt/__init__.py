@@ -26,6 +26,7 @@ from .errors import (  # noqa: E402
 from .manifest import Manifest  # noqa: E402
 from .reader import open_checkpoint, read_manifest  # noqa: E402
 from .state import PerRank, ShardedTensor  # noqa: E402
+from .validation import Problem, ValidationReport, validate  # noqa: E402
 from .writer import CheckpointWriter, ShardData  # noqa: E402
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "open_checkpoint",
     "validate",
     "ValidationReport",
+    "Problem",
     "Manifest",
     "ShardedTensor",
     "PerRank",
@@ -59,10 +61,3 @@ __all__ = [
     "StorageError",
 ]
 
-
-def __getattr__(name):
-    if name in ("validate", "ValidationReport"):
-        from . import validate as _v
-
-        return getattr(_v, name if name != "validate" else "validate")
-    raise AttributeError(name)

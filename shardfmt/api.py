@@ -1,7 +1,8 @@
 """``save`` and ``load``: state dicts to checkpoints and back, in one process.
 
 save: flatten -> group tensors that share storage (tied weights become ``alias_of``,
-distinct views of one buffer become views of one stored ``storage``) -> one data file
+distinct views of one buffer become views of one stored 1-D ``storages`` entry named
+``.storage.N`` — the leading dot keeps it apart from every user FQN) -> one data file
 -> manifest -> commit. load: flatten the caller's dict -> one target per tensor leaf
 (a plain tensor wants the whole tensor, a ShardedTensor its slice) -> plan -> execute
 (verified reads straight into the caller's tensors) -> only then replace non-tensor
@@ -88,7 +89,7 @@ def _plan_sharing(plain: dict[str, torch.Tensor]):
             continue  # reinterpreted bytes of different dtypes: store each on its own
         lo = min(t.storage_offset() for t in ts)
         hi = max(t.storage_offset() + _extent(t) for t in ts)
-        base_name = f"storage.{len(storages)}"
+        base_name = f".storage.{len(storages)}"  # a leading dot: never a user FQN
         storages[base_name] = torch.as_strided(ts[0], (hi - lo,), (1,), lo)
         for n, t in zip(names, ts):
             views[n] = (base_name, ViewRecord(base=base_name, storage_offset=t.storage_offset() - lo,

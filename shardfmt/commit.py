@@ -8,7 +8,9 @@ Local disk (atomic rename)::
     4) the staging dir and its data dir are fsynced                   step "staging_synced"
     5) publish: rename staging -> ``<path>``; if a committed checkpoint is already there
        (``overwrite=True``) the two are swapped atomically with renameat2(RENAME_EXCHANGE),
-       falling back to rename-aside (``<path>.old-<save_id>``) where unsupported  "published"
+       falling back to rename-aside where unsupported: ``<path>`` -> ``<path>.old-<save_id>``
+       ("set_aside"; readers that find no ``<path>`` use that committed aside copy), then
+       staging -> ``<path>``                                          step "published"
     6) the parent dir is fsynced                                      step "parent_synced"
     7) the previous checkpoint, now in the staging name, is removed   step "cleaned"
 
@@ -37,6 +39,7 @@ STEPS = (
     "manifest_written",
     "committed_written",
     "staging_synced",
+    "set_aside",
     "published",
     "parent_synced",
     "cleaned",
@@ -122,6 +125,7 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
     except StorageError:
         old = aside_path(path, manifest.save_id)
         storage.rename(path, old)
+        step("set_aside")
         storage.rename(staging, path)
     step("published")
     storage.sync_dir(parent)

@@ -2,8 +2,11 @@
 
 Nested dicts (str or int keys) and lists/tuples holding tensors flatten to dotted FQNs
 (``model.layers.0.weight``). A subtree with no tensor in it is one leaf: a non-tensor
-value stored as typed JSON. A key containing a dot, an empty key, or two paths that
-flatten to the same FQN raise ``StateDictError``.
+value stored as typed JSON. Keys may themselves hold dots (``model.state_dict()`` keys
+do), so ``{"a.b": x}`` and ``{"a": {"b": y}}`` name the same FQN: two paths that flatten
+to the same FQN raise ``StateDictError``, as do empty keys and keys with an empty dotted
+part (``"a..b"``, ``".a"``). Load walks the caller's own structure, so no information is
+lost by flattening.
 
 ``ShardedTensor(local, global_shape, offsets)`` declares that a tensor is one slice of a
 larger global tensor; ``PerRank(value)`` marks a value that differs per rank.
@@ -90,8 +93,8 @@ def _segment(key: Any, prefix: str) -> str:
     seg = str(key)
     if not seg:
         raise StateDictError(f"{prefix or '<root>'}: empty key on the path to a tensor")
-    if "." in seg:
-        raise StateDictError(f"{prefix or '<root>'}: key {seg!r} contains a dot, which separates FQN parts")
+    if seg.startswith(".") or seg.endswith(".") or ".." in seg:
+        raise StateDictError(f"{prefix or '<root>'}: key {seg!r} has an empty dotted part")
     return seg
 
 

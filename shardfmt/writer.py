@@ -199,7 +199,10 @@ class CheckpointWriter:
         name = rank_file_name(rank, part)
         if name in self._files:
             raise CommitError(f"{name}: written twice in one save")
-        ordered = sorted(shards, key=lambda s: (s.fqn, s.offsets)) + sorted(storages, key=lambda s: s.fqn)
+        # Larger elements first, then by name: every tensor then starts at a multiple of its
+        # element size (the header is padded to 8), so readers can view bytes in place.
+        ordered = sorted(list(shards) + list(storages),
+                         key=lambda s: (-s.data.element_size(), s.fqn, s.offsets))
         storage_names = {s.fqn for s in storages}
         for s in ordered:
             table = self._storages if s.fqn in storage_names else self._tensors

@@ -1,0 +1,222 @@
+"""The ``shardfmt`` command: validate, inspect, ls, demo.
+
+Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments or an
+unreachable path. Errors print one line to stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+import orjson
+
+from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from .manifest import COMMITTED_NAME, MANIFEST_NAME
+
+
+def _print_json(obj) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode() + "\n")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _storage_options(args) -> dict | None:
+    raw = getattr(args, "storage_options", None)
+    if not raw:
+        return None
+    try:
+        opts = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise SystemExit(_usage(f"--storage-options is not JSON: {e}"))
+    if not isinstance(opts, dict):
+        raise SystemExit(_usage("--storage-options must be a JSON object"))
+    return opts
+
+
+def _usage(msg: str) -> int:
+    print(f"shardfmt: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_validate(args) -> int:
+    from .validation import validate
+
+    report = validate(args.path, deep=args.deep, storage_options=_storage_options(args))
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        if report.ok:
+            print(f"{report.path}: valid{' (deep)' if args.deep else ''}")
+        else:
+            print(f"{report.path}: INVALID, {len(report.problems)} problem(s)")
+            for p in report.problems:
+                print(f"  {p}")
+    return 0 if report.ok else 1
+
+
+def inspect_summary(manifest) -> dict:
+    by_dtype: Counter = Counter()
+    for rec in list(manifest.tensors.values()) + list(manifest.storages.values()):
+        if rec.alias_of is None and rec.view is None:
+            by_dtype[rec.dtype] += rec.nbytes
+    return {
+        "save_id": manifest.save_id,
+        "step": manifest.step,
+        "created_at": manifest.created_at,
+        "format_version": manifest.format_version,
+        "writer": dict(manifest.writer),
+        "topology": manifest.topology.to_json(),
+        "tensors": len(manifest.tensors),
+        "values": len(manifest.values),
+        "bytes_per_dtype": dict(sorted(by_dtype.items())),
+        "files": {name: f.size for name, f in manifest.files.items()},
+        "total_bytes": sum(f.size for f in manifest.files.values()),
+    }
+
+
+def cmd_inspect(args) -> int:
+    from .reader import open_checkpoint
+
+    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
+    info = inspect_summary(ckpt.manifest)
+    if args.json:
+        _print_json(info)
+        return 0
+    topo = info["topology"]
+    mesh = ",".join(f"{d['name']}={d['size']}" for d in topo["mesh"]) or "-"
+    print(f"checkpoint  {ckpt.path}")
+    print(f"step        {info['step']}")
+    print(f"save id     {info['save_id']}   created {info['created_at']}")
+    print(f"writer      " + " ".join(f"{k} {v}" for k, v in sorted(info["writer"].items())))
+    print(f"topology    world size {topo['world_size']}, mesh {mesh}")
+    print(f"tensors     {info['tensors']}   values {info['values']}")
+    print("bytes per dtype")
+    for k, v in info["bytes_per_dtype"].items():
+        print(f"  {k:<12} {_human(v):>12}")
+    print(f"files       {len(info['files'])}, {_human(info['total_bytes'])} in all")
+    for name, size in info["files"].items():
+        print(f"  {name:<40} {_human(size):>12}")
+    return 0
+
+
+def checkpoint_status(storage, path: str) -> tuple[str, int | None, int | None, str]:
+    """Return (status, step, size, reason) of one checkpoint directory, quickly."""
+    from .reader import open_checkpoint
+
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if ".tmp-" in name:
+        return "incomplete", None, None, "staging dir of an unfinished save"
+    if not storage.exists(storage.join(path, COMMITTED_NAME)):
+        return "incomplete", None, None, f"no {COMMITTED_NAME}"
+    try:
+        ckpt = open_checkpoint(path, storage=storage)
+    except ShardfmtError as e:
+        return "corrupt", None, None, str(e)
+    m = ckpt.manifest
+    for fname, f in m.files.items():
+        try:
+            size = storage.size(storage.join(path, fname))
+        except ShardfmtError:
+            return "corrupt", m.step, None, f"{fname} is missing"
+        if size != f.size:
+            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
+    return "committed", m.step, sum(f.size for f in m.files.values()), ""
+
+
+def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
+    """Every checkpoint-like directory under ``root`` with its status."""
+    from .storage import get_storage
+
+    storage, root = get_storage(root, storage_options)
+    if not storage.isdir(root):
+        raise CheckpointNotFoundError(f"{root}: not a directory")
+    out = []
+    for name in storage.listdir(root):
+        path = storage.join(root, name)
+        if not storage.isdir(path):
+            continue
+        inner = set(storage.listdir(path))
+        if not inner & {COMMITTED_NAME, MANIFEST_NAME, "data"} and ".tmp-" not in name:
+            continue
+        status, step, size, reason = checkpoint_status(storage, path)
+        out.append({"name": name, "path": path, "status": status, "step": step, "size": size, "reason": reason})
+    return out
+
+
+def cmd_ls(args) -> int:
+    rows = list_checkpoints(args.root, _storage_options(args))
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print(f"{args.root}: no checkpoints")
+        return 0
+    print(f"{'name':<36} {'step':>10} {'size':>12}  status")
+    for r in rows:
+        step = "-" if r["step"] is None else str(r["step"])
+        size = "-" if r["size"] is None else _human(r["size"])
+        extra = f"  ({r['reason']})" if r["reason"] else ""
+        print(f"{r['name']:<36} {step:>10} {size:>12}  {r['status']}{extra}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardfmt", description="Sharded, pickle-free PyTorch checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add_common(sp):
+        sp.add_argument("--json", action="store_true", help="print JSON instead of text")
+        sp.add_argument("--storage-options", metavar="JSON", help="fsspec storage options as a JSON object")
+
+    v = sub.add_parser("validate", help="check a checkpoint (exit 0 valid, 1 invalid, 2 unusable)")
+    v.add_argument("path")
+    v.add_argument("--deep", action="store_true", help="re-hash every chunk of every file")
+    add_common(v)
+    v.set_defaults(func=cmd_validate)
+
+    i = sub.add_parser("inspect", help="step, topology, tensors, bytes per dtype, files")
+    i.add_argument("path")
+    add_common(i)
+    i.set_defaults(func=cmd_inspect)
+
+    ls = sub.add_parser("ls", help="list the checkpoints under ROOT with their status")
+    ls.add_argument("root")
+    add_common(ls)
+    ls.set_defaults(func=cmd_ls)
+
+    d = sub.add_parser("demo", help="save, reshard-load and validate a small model, end to end")
+    d.add_argument("--dir", help="where to write (default: a temporary directory)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (CheckpointNotFoundError, StorageError) as e:
+        print(f"shardfmt: {e}", file=sys.stderr)
+        return 2
+    except ShardfmtError as e:
+        print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The validator: every finding about a checkpoint, as data (it never logs-and-returns).
+
+Quick checks (default): COMMITTED present and parseable; manifest.json parses, matches the
+JSON Schema and hashes to the digest COMMITTED records; format version supported; every
+field well-formed; every listed file present with its recorded size; each safetensors
+header agrees with the manifest (names, dtypes, shapes, byte ranges); derived digests
+agree with the chunk digests; each tensor's shards tile its shape (O(n log n)).
+``deep=True`` additionally re-hashes every chunk of every file and reports each mismatch
+with its file and byte range.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+import orjson
+
+from reshard.geometry import Box, tiling_problems
+
+from . import hashing
+from .errors import ShardfmtError
+from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj
+from .reader import read_commit, read_manifest_bytes, resolve_path
+from .safetensors_io import PREFIX_BYTES, decode_header, header_length
+from .storage import Storage, get_storage
+
+READ_PIECE = 16 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Problem:
+    """One finding: what is wrong and where (file, tensor, byte range when known)."""
+
+    code: str
+    message: str
+    file: str | None = None
+    tensor: str | None = None
+    byte_range: tuple[int, int] | None = None
+
+    def to_json(self) -> dict:
+        out = {"code": self.code, "message": self.message}
+        if self.file is not None:
+            out["file"] = self.file
+        if self.tensor is not None:
+            out["tensor"] = self.tensor
+        if self.byte_range is not None:
+            out["byte_range"] = list(self.byte_range)
+        return out
+
+    def __str__(self) -> str:
+        where = " ".join(x for x in (self.file, f"tensor {self.tensor!r}" if self.tensor else None,
+                                     f"bytes [{self.byte_range[0]}, {self.byte_range[1]})" if self.byte_range else None)
+                         if x)
+        return f"[{self.code}] {where + ': ' if where else ''}{self.message}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidationReport:
+    """The validator's verdict: ``ok`` when ``problems`` is empty."""
+
+    path: str
+    deep: bool
+    problems: tuple[Problem, ...]
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "deep": self.deep, "ok": self.ok,
+                "problems": [p.to_json() for p in self.problems]}
+
+
+@functools.lru_cache(maxsize=1)
+def manifest_schema() -> dict:
+    """Return the manifest JSON Schema shipped with the package (spec/manifest.schema.json)."""
+    text = resources.files("shardfmt").joinpath("manifest.schema.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _schema_problems(obj) -> list[Problem]:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(manifest_schema())
+    out = []
+    for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))[:50]:
+        where = "/".join(str(p) for p in err.absolute_path) or "<root>"
+        out.append(Problem(code="schema", message=f"{where}: {err.message[:300]}", file=MANIFEST_NAME))
+    return out
+
+
+def validate(path: str, *, deep: bool = False, storage_options: dict | None = None,
+             storage: Storage | None = None) -> ValidationReport:
+    """Check the checkpoint at ``path`` and return every problem found.
+
+    Raises ``CheckpointNotFoundError``/``StorageError`` only when ``path`` cannot be reached
+    at all; everything wrong with the checkpoint itself is a Problem in the report.
+    """
+    if storage is None:
+        storage, path = get_storage(path, storage_options)
+    path = resolve_path(storage, path)
+    problems: list[Problem] = []
+
+    def done(manifest=None) -> ValidationReport:
+        return ValidationReport(path=path, deep=deep, problems=tuple(problems), manifest=manifest)
+
+    try:
+        commit = read_commit(storage, path)
+    except ShardfmtError as e:
+        problems.append(Problem(code="not_committed", message=str(e), file=COMMITTED_NAME))
+        commit = None
+    try:
+        raw = read_manifest_bytes(storage, path)
+    except ShardfmtError as e:
+        problems.append(Problem(code="manifest_missing", message=str(e), file=MANIFEST_NAME))
+        return done()
+    if commit is not None:
+        got = hashing.digest_bytes(raw)
+        if got != commit.manifest_digest:
+            problems.append(Problem(code="manifest_digest", file=MANIFEST_NAME,
+                                    message=f"hashes to {got}, COMMITTED records {commit.manifest_digest}"))
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        problems.append(Problem(code="manifest_json", message=f"not valid JSON ({e})", file=MANIFEST_NAME))
+        return done()
+    try:
+        manifest = manifest_from_obj(obj, source=MANIFEST_NAME)
+    except ShardfmtError as e:
+        problems.extend(_schema_problems(obj) if isinstance(obj, dict) else [])
+        problems.append(Problem(code="manifest_field", message=str(e), file=MANIFEST_NAME))
+        return done()
+    problems.extend(_schema_problems(obj))
+    if commit is not None and manifest.save_id != commit.save_id:
+        problems.append(Problem(code="save_id", file=COMMITTED_NAME,
+                                message=f"save_id {commit.save_id!r} != manifest save_id {manifest.save_id!r}"))
+    _check_files(storage, path, manifest, problems, deep=deep)
+    _check_tensors(manifest, problems)
+    return done(manifest)
+
+
+def _check_tensors(m: Manifest, problems: list[Problem]) -> None:
+    for table in (m.tensors, m.storages):
+        for fqn, rec in table.items():
+            if rec.alias_of is not None or rec.view is not None:
+                continue
+            for msg in tiling_problems([Box(s.offsets, s.lengths) for s in rec.shards], Box.full(rec.shape)):
+                problems.append(Problem(code="tiling", tensor=fqn, message=msg))
+            for s in rec.shards:
+                span = hashing.chunk_span(s.byte_range[0], s.byte_range[1], m.chunk_size)
+                chunks = m.files[s.file].chunks
+                if span.stop > len(chunks) or hashing.combine(chunks[span.start:span.stop]) != s.digest:
+                    problems.append(Problem(code="shard_digest", tensor=fqn, file=s.file, byte_range=s.byte_range,
+                                            message="shard digest does not derive from the file's chunk digests"))
+
+
+def _check_files(storage: Storage, path: str, m: Manifest, problems: list[Problem], *, deep: bool) -> None:
+    by_file: dict[str, list[tuple[str, object]]] = {}
+    for table in (m.tensors, m.storages):
+        for fqn, rec in table.items():
+            for s in rec.shards:
+                by_file.setdefault(s.file, []).append((fqn, rec.dtype, s))
+    for name, frec in m.files.items():
+        if hashing.combine(frec.chunks) != frec.digest:
+            problems.append(Problem(code="file_digest", file=name,
+                                    message="file digest does not derive from its chunk digests"))
+        full = storage.join(path, name)
+        try:
+            reader = storage.open_reader(full)
+        except ShardfmtError as e:
+            problems.append(Problem(code="file_missing", file=name, message=str(e)))
+            continue
+        try:
+            if reader.size != frec.size:
+                problems.append(Problem(code="file_size", file=name,
+                                        message=f"is {reader.size} bytes, manifest says {frec.size}"))
+                continue
+            _check_header(reader, name, by_file.get(name, []), problems)
+            if deep:
+                _rehash(reader, name, frec, m.chunk_size, problems)
+        except ShardfmtError as e:
+            problems.append(Problem(code="file_read", file=name, message=str(e)))
+        finally:
+            reader.close()
+
+
+def _read(reader, offset: int, n: int) -> bytearray:
+    buf = bytearray(n)
+    reader.readinto(offset, [memoryview(buf)])
+    return buf
+
+
+def _check_header(reader, name: str, shards: list, problems: list[Problem]) -> None:
+    size = reader.size
+    prefix = _read(reader, 0, min(PREFIX_BYTES, size))
+    try:
+        n = header_length(bytes(prefix), source=name, file_size=size)
+        entries = decode_header(bytes(prefix) + bytes(_read(reader, PREFIX_BYTES, n)), source=name, file_size=size)
+    except ShardfmtError as e:
+        problems.append(Problem(code="header", file=name, message=str(e)))
+        return
+    listed = set()
+    for fqn, dtype, s in shards:
+        listed.add(s.key)
+        e = entries.get(s.key)
+        if e is None:
+            problems.append(Problem(code="header", file=name, tensor=fqn,
+                                    message=f"key {s.key!r} is not in the safetensors header"))
+            continue
+        if (e.start, e.end) != tuple(s.byte_range) or e.shape != tuple(s.lengths) or e.dtype != dtype:
+            problems.append(Problem(code="header", file=name, tensor=fqn, byte_range=s.byte_range,
+                                    message=f"header says {e.dtype} {list(e.shape)} at [{e.start}, {e.end}), "
+                                            f"manifest says {dtype} {list(s.lengths)} at {list(s.byte_range)}"))
+    for key in sorted(set(entries) - listed):
+        problems.append(Problem(code="header", file=name, message=f"header key {key!r} is not in the manifest"))
+
+
+def _rehash(reader, name: str, frec, chunk_size: int, problems: list[Problem]) -> None:
+    pos = 0
+    size = frec.size
+    piece = max(chunk_size, (READ_PIECE // chunk_size) * chunk_size)
+    k = 0
+    while pos < size:
+        n = min(piece, size - pos)
+        buf = memoryview(_read(reader, pos, n))
+        for off in range(0, n, chunk_size):
+            got = hashing.digest_bytes(buf[off : off + chunk_size])
+            lo = pos + off
+            if k >= len(frec.chunks) or got != frec.chunks[k]:
+                problems.append(Problem(code="chunk_hash", file=name,
+                                        byte_range=(lo, min(lo + chunk_size, size)),
+                                        message=f"chunk {k} hashes to {got}, manifest says "
+                                                f"{frec.chunks[k] if k < len(frec.chunks) else 'nothing'}"))
+            k += 1
+        pos += n
