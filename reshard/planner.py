@@ -73,6 +73,7 @@ class LoadPlan:
     reads: tuple[PhysicalRead, ...]
     needed_bytes: int
     verify: bool
+    shards: tuple[tuple[str, ShardRecord], ...] = ()  # (fqn, shard) of every shard read from
 
     @property
     def bytes_to_read(self) -> int:
@@ -126,6 +127,7 @@ def plan_load(
     """Return the reads and copies that fill every target from the manifest's shards."""
     indexes: dict[str, _ShardIndex] = {}
     per_file: dict[str, list[CopyItem]] = {}
+    used: dict[tuple[str, str], tuple[str, ShardRecord]] = {}
     needed = 0
     for t in targets:
         try:
@@ -150,6 +152,7 @@ def plan_load(
         isz = rec.itemsize
         needed += t.box.numel * isz
         for shard, inter in hits:
+            used[(shard.file, shard.key)] = (t.fqn, shard)
             local = inter.relative_to(Box(shard.offsets, shard.lengths))
             strides = row_major_strides(shard.lengths)
             base = shard.byte_range[0]
@@ -167,7 +170,8 @@ def plan_load(
     reads: list[PhysicalRead] = []
     for fname in sorted(per_file):
         reads.extend(_group(fname, per_file[fname], manifest, verify=verify, max_gap=max_gap, max_read=max_read))
-    return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify)
+    return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify,
+                    shards=tuple(used[k] for k in sorted(used)))
 
 
 def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: bool,

@@ -25,7 +25,7 @@ from . import hashing, jsonvalue
 from .dtypes import dtype_code, torch_dtype
 from .errors import DTypeError, MissingKeyError, ShapeError, StateDictError
 from .manifest import Manifest, ViewRecord
-from .reader import open_checkpoint
+from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
 from .writer import CheckpointWriter, ShardData
 
@@ -255,6 +255,8 @@ def load(
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
     plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read)
     before = ckpt.storage.stats.snapshot()
+    if verify:
+        check_headers(ckpt.storage, ckpt.path, m, plan.shards)
     Executor(ckpt.storage, ckpt.path, m.files, chunk_size=m.chunk_size, src_dtypes=src_dtypes,
              targets=dsts, workers=workers).run(plan)
     for p in posts:

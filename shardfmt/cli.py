@@ -35,7 +35,7 @@ def _storage_options(args) -> dict | None:
     try:
         opts = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise SystemExit(_usage(f"--storage-options is not JSON: {e}"))
+        raise SystemExit(_usage(f"--storage-options is not JSON: {e}")) from None
     if not isinstance(opts, dict):
         raise SystemExit(_usage("--storage-options must be a JSON object"))
     return opts
@@ -95,7 +95,7 @@ def cmd_inspect(args) -> int:
     print(f"checkpoint  {ckpt.path}")
     print(f"step        {info['step']}")
     print(f"save id     {info['save_id']}   created {info['created_at']}")
-    print(f"writer      " + " ".join(f"{k} {v}" for k, v in sorted(info["writer"].items())))
+    print("writer      " + " ".join(f"{k} {v}" for k, v in sorted(info["writer"].items())))
     print(f"topology    world size {topo['world_size']}, mesh {mesh}")
     print(f"tensors     {info['tensors']}   values {info['values']}")
     print("bytes per dtype")

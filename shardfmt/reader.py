@@ -6,11 +6,12 @@ one it records; anything else is refused before a single data byte is read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import hashing
 from .commit import committed_aside
-from .errors import CheckpointNotFoundError, CommitError, IntegrityError
+from .errors import CheckpointNotFoundError, CommitError, HeaderError, IntegrityError
 from .manifest import (
     COMMITTED_NAME,
     MANIFEST_NAME,
@@ -18,9 +19,11 @@ from .manifest import (
     MAX_MANIFEST_BYTES,
     CommitRecord,
     Manifest,
+    ShardRecord,
     parse_commit,
     parse_manifest,
 )
+from .safetensors_io import PREFIX_BYTES, decode_header, header_length
 from .storage import Storage, get_storage
 
 
@@ -81,3 +84,51 @@ def open_checkpoint(path: str, *, storage_options: dict | None = None,
 def read_manifest(path: str, *, storage_options: dict | None = None) -> Manifest:
     """Return the manifest of the committed checkpoint at ``path``."""
     return open_checkpoint(path, storage_options=storage_options).manifest
+
+
+def shard_key_ok(fqn: str, shard: ShardRecord) -> bool:
+    """Whether ``shard.key`` is one the format allows for this tensor and slice."""
+    return shard.key == fqn or shard.key == f"{fqn}@{','.join(map(str, shard.offsets))}"
+
+
+def check_headers(storage: Storage, path: str, manifest: Manifest,
+                  shards: Iterable[tuple[str, ShardRecord]]) -> None:
+    """Read the header of every file ``shards`` come from; verify its chunks and that each
+    shard's key, dtype, shape and byte range agree with it. Raise on the first mismatch.
+
+    This is what stops a manifest whose byte ranges point at the wrong (but intact) bytes.
+    """
+    by_file: dict[str, list[tuple[str, ShardRecord]]] = {}
+    for fqn, shard in shards:
+        by_file.setdefault(shard.file, []).append((fqn, shard))
+    chunk = manifest.chunk_size
+    for name in sorted(by_file):
+        frec = manifest.files[name]
+        reader = storage.open_reader(storage.join(path, name))
+        try:
+            if reader.size != frec.size:
+                raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")
+            prefix = bytearray(min(PREFIX_BYTES, reader.size))
+            reader.readinto(0, [memoryview(prefix)])
+            n = header_length(bytes(prefix), source=name, file_size=reader.size)
+            end = PREFIX_BYTES + n
+            covered = min(-(-end // chunk) * chunk, reader.size)
+            buf = bytearray(covered)
+            reader.readinto(0, [memoryview(buf)])
+        finally:
+            reader.close()
+        for k in range(0, covered, chunk):
+            got = hashing.digest_bytes(memoryview(buf)[k : k + chunk])
+            if got != frec.chunks[k // chunk]:
+                raise IntegrityError(f"{name}: chunk {k // chunk} (bytes [{k}, {min(k + chunk, covered)})) "
+                                     f"hashes to {got}, manifest says {frec.chunks[k // chunk]}")
+        entries = decode_header(bytes(buf[:end]), source=name, file_size=reader.size)
+        for fqn, shard in by_file[name]:
+            e = entries.get(shard.key)
+            rec = manifest.tensor(fqn)
+            if not shard_key_ok(fqn, shard) or e is None:
+                raise HeaderError(f"{name}: tensor {fqn!r}: key {shard.key!r} is not this tensor's entry")
+            if (e.dtype, e.shape, (e.start, e.end)) != (rec.dtype, tuple(shard.lengths), tuple(shard.byte_range)):
+                raise HeaderError(f"{name}: tensor {fqn!r}: header says {e.dtype} {list(e.shape)} at "
+                                  f"[{e.start}, {e.end}), manifest says {rec.dtype} {list(shard.lengths)} at "
+                                  f"{list(shard.byte_range)}")

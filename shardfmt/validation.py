@@ -23,7 +23,7 @@ from reshard.geometry import Box, tiling_problems
 from . import hashing
 from .errors import ShardfmtError
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj
-from .reader import read_commit, read_manifest_bytes, resolve_path
+from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, header_length
 from .storage import Storage, get_storage
 
@@ -207,6 +207,9 @@ def _check_header(reader, name: str, shards: list, problems: list[Problem]) -> N
     for fqn, dtype, s in shards:
         listed.add(s.key)
         e = entries.get(s.key)
+        if not shard_key_ok(fqn, s):
+            problems.append(Problem(code="header", file=name, tensor=fqn,
+                                    message=f"key {s.key!r} is not a key this tensor's shard may have"))
         if e is None:
             problems.append(Problem(code="header", file=name, tensor=fqn,
                                     message=f"key {s.key!r} is not in the safetensors header"))

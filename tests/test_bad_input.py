@@ -1,0 +1,243 @@
+"""Hostile or broken checkpoints get the project's typed errors, naming file and cause."""
+
+import os
+import struct
+
+import orjson
+import pytest
+import torch
+
+import shardfmt
+from shardfmt import hashing
+from shardfmt.manifest import CommitRecord
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "ck")
+    w = shardfmt.CheckpointWriter(path, chunk_size=4096)
+    full = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    w.write_rank(0, [shardfmt.ShardData(fqn="w", data=full[:32], global_shape=(64, 64), offsets=(0, 0))])
+    w.write_rank(1, [shardfmt.ShardData(fqn="w", data=full[32:], global_shape=(64, 64), offsets=(32, 0))])
+    w.add_value("v", 1)
+    w.commit(step=1)
+    return path, full
+
+
+def recommit(path, mutate):
+    """Edit the manifest object and re-sign COMMITTED, so only the edit itself can be caught."""
+    mpath = os.path.join(path, "manifest.json")
+    with open(mpath, "rb") as f:
+        obj = orjson.loads(f.read())
+    mutate(obj)
+    raw = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) + b"\n"
+    write_manifest(path, raw, obj.get("save_id", "x"))
+
+
+def write_manifest(path, raw, save_id):
+    with open(os.path.join(path, "manifest.json"), "wb") as f:
+        f.write(raw)
+    rec = CommitRecord(save_id=save_id if isinstance(save_id, str) else "x",
+                       manifest_digest=hashing.digest_bytes(raw))
+    with open(os.path.join(path, "COMMITTED"), "wb") as f:
+        f.write(rec.to_json())
+
+
+def load_w(path, **kw):
+    out = {"w": torch.zeros(64, 64)}
+    shardfmt.load(out, path, **kw)
+    return out["w"]
+
+
+def shard0(obj):
+    return obj["tensors"]["w"]["shards"][0]
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "/etc/passwd", "data/../../x.safetensors",
+                                 "data/sub/../../etc.safetensors", "data/\u0000.safetensors", "C:\\x.safetensors"])
+def test_path_traversal_is_refused(saved, bad):
+    path, _ = saved
+
+    def mutate(o):
+        f = shard0(o)["file"]
+        o["files"][bad] = o["files"].pop(f)
+        for s in o["tensors"]["w"]["shards"]:
+            if s["file"] == f:
+                s["file"] = bad
+    recommit(path, mutate)
+    with pytest.raises(shardfmt.ManifestError, match="data/<name>.safetensors"):
+        load_w(path)
+    rep = shardfmt.validate(path)
+    assert not rep.ok
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("offsets", [-1, 0], "integer"),
+    ("offsets", [2**63, 0], "integer"),
+    ("offsets", [40, 0], "outside the shape"),
+    ("lengths", [33, 64], "holds"),
+    ("byte_range", [0, 8192], None),
+    ("byte_range", [10**9, 10**9 + 8192], "past the end"),
+    ("offsets", [0.5, 0], "integer"),
+])
+def test_bad_shard_geometry_is_refused(saved, field, value, match):
+    path, _ = saved
+
+    def mutate(o):
+        shard0(o)[field] = value
+    recommit(path, mutate)
+    # a range of the right length that points at the header: only the header check catches it
+    err = shardfmt.ManifestError if match else shardfmt.HeaderError
+    with pytest.raises(err, match=match):
+        load_w(path)
+    assert not shardfmt.validate(path).ok
+
+
+def test_shard_pointing_at_another_tensors_bytes_is_refused(tmp_path):
+    path = str(tmp_path / "ck")
+    shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path)
+    recommit(path, lambda o: o["tensors"]["a"].__setitem__("shards", o["tensors"]["b"]["shards"]))
+    with pytest.raises(shardfmt.HeaderError, match="'a'"):
+        shardfmt.load({"a": torch.empty(8)}, path)
+    assert any(p.tensor == "a" for p in shardfmt.validate(path).problems)
+
+
+def test_overlapping_shards_are_refused(saved):
+    path, _ = saved
+
+    def mutate(o):
+        s1 = o["tensors"]["w"]["shards"][1]
+        s1["offsets"] = [16, 0]  # overlaps shard 0 rows 16..31, leaves rows 48..63 uncovered
+    recommit(path, mutate)
+    with pytest.raises(shardfmt.PlanError, match="do not cover"):
+        load_w(path)
+    rep = shardfmt.validate(path)
+    assert any(p.code == "tiling" and p.tensor == "w" for p in rep.problems)
+
+
+def test_truncated_file(saved):
+    path, _ = saved
+    f = os.path.join(path, "data", "rank_00001.safetensors")
+    with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) - 100)
+    with pytest.raises(shardfmt.IntegrityError, match="rank_00001.*bytes, manifest says"):
+        load_w(path)
+    rep = shardfmt.validate(path)
+    assert [p.code for p in rep.problems] == ["file_size"] and rep.problems[0].file == "data/rank_00001.safetensors"
+    # a rank that only needs rank 0's rows still loads them
+    local = torch.zeros(32, 64)
+    shardfmt.load({"w": shardfmt.ShardedTensor(local, (64, 64), (0, 0))}, path)
+
+
+def test_flipped_data_byte_is_caught(saved):
+    path, full = saved
+    f = os.path.join(path, "data", "rank_00001.safetensors")
+    with open(f, "r+b") as fh:
+        fh.seek(5000)
+        b = fh.read(1)
+        fh.seek(5000)
+        fh.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(shardfmt.IntegrityError, match="rank_00001.safetensors: chunk 1"):
+        load_w(path)
+    assert shardfmt.validate(path).ok  # quick validation does not read data
+    deep = shardfmt.validate(path, deep=True)
+    assert [(p.code, p.file, p.byte_range) for p in deep.problems] == [
+        ("chunk_hash", "data/rank_00001.safetensors", (4096, 8192))]
+    assert not torch.equal(load_w(path, verify=False), full)  # verify=False trusts the bytes
+
+
+def test_header_disagreeing_with_manifest(saved):
+    path, _ = saved
+    f = os.path.join(path, "data", "rank_00000.safetensors")
+    with open(f, "r+b") as fh:
+        raw = fh.read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = raw[8:8 + n].replace(b'"shape":[32,64]', b'"shape":[64,32]')
+    assert len(header) == n
+    with open(f, "wb") as fh:
+        fh.write(raw[:8] + header + raw[8 + n:])
+    rep = shardfmt.validate(path)
+    assert any(p.code == "header" and p.tensor == "w" and "[64, 32]" in p.message for p in rep.problems)
+    with pytest.raises(shardfmt.IntegrityError):
+        load_w(path)  # the header's chunk no longer hashes right
+
+
+def test_non_json_manifest(saved):
+    path, _ = saved
+    write_manifest(path, b"{not json", "x")
+    with pytest.raises(shardfmt.ManifestError, match="not valid JSON"):
+        load_w(path)
+    rep = shardfmt.validate(path)
+    assert [p.code for p in rep.problems] == ["manifest_json"]
+
+
+def test_manifest_over_the_limit(saved, monkeypatch):
+    path, _ = saved
+    import shardfmt.manifest as mf
+    import shardfmt.reader as rd
+
+    monkeypatch.setattr(rd, "MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(shardfmt.StorageError, match="limit"):
+        load_w(path)
+
+
+def test_huge_header_length_is_refused(saved):
+    path, _ = saved
+    f = os.path.join(path, "data", "rank_00000.safetensors")
+    with open(f, "r+b") as fh:
+        fh.write(struct.pack("<Q", 10**12))
+    rep = shardfmt.validate(path)
+    assert any(p.code == "header" and "limit" in p.message for p in rep.problems)
+
+
+def test_missing_committed(saved):
+    path, _ = saved
+    os.remove(os.path.join(path, "COMMITTED"))
+    with pytest.raises(shardfmt.CommitError, match="not committed"):
+        load_w(path)
+
+
+def test_newer_format_version_names_both(saved):
+    path, _ = saved
+    recommit(path, lambda o: o.__setitem__("format_version", 2))
+    with pytest.raises(shardfmt.FormatVersionError, match=r"version 2.*up to 1"):
+        load_w(path)
+    assert any("version 2" in p.message for p in shardfmt.validate(path).problems)
+
+
+def test_older_version_goes_through_migration(saved, monkeypatch):
+    path, full = saved
+    import shardfmt.manifest as mf
+
+    recommit(path, lambda o: (o.__setitem__("format_version", 0), o.__setitem__("legacy_field", 1)))
+    with pytest.raises(shardfmt.FormatVersionError, match="no migration"):
+        load_w(path)
+
+    def v0_to_v1(obj):
+        obj.pop("legacy_field")
+        obj["format_version"] = 1
+        return obj
+    monkeypatch.setitem(mf._MIGRATIONS, 0, v0_to_v1)
+    assert torch.equal(load_w(path), full)
+
+
+def test_unknown_dtype_in_manifest(saved):
+    path, _ = saved
+    recommit(path, lambda o: o["tensors"]["w"].__setitem__("dtype", "F128"))
+    with pytest.raises(shardfmt.ManifestError, match="F128"):
+        load_w(path)
+
+
+def test_missing_path_and_cli_exit_codes(tmp_path, saved, capsys):
+    from shardfmt.cli import main
+
+    path, _ = saved
+    assert main(["validate", path]) == 0
+    assert main(["validate", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "Traceback" not in err
+    os.remove(os.path.join(path, "COMMITTED"))
+    assert main(["validate", path]) == 1
+    with pytest.raises(shardfmt.CheckpointNotFoundError):
+        load_w(str(tmp_path / "nope"))
