@@ -1,5 +1,7 @@
 """reshard: topology, the pure load planner, and offline conversion of shardfmt checkpoints."""
 
+import shardfmt as _shardfmt  # noqa: F401  (import order: shardfmt's API imports reshard's planner)
+
 from .geometry import Box, ByteRange, coalesce, intersect
 from .planner import CopyItem, LoadPlan, PhysicalRead, TargetSlice, plan_load
 

@@ -2,7 +2,7 @@
 
 save: flatten -> group tensors that share storage (tied weights become ``alias_of``,
 distinct views of one buffer become views of one stored 1-D ``storages`` entry named
-``.storage.N`` — the leading dot keeps it apart from every user FQN) -> one data file
+``.storage.<first view's FQN>`` — the leading dot keeps it apart from every user FQN) -> one data file
 -> manifest -> commit. load: flatten the caller's dict -> one target per tensor leaf
 (a plain tensor wants the whole tensor, a ShardedTensor its slice) -> plan -> execute
 (verified reads straight into the caller's tensors) -> only then replace non-tensor
@@ -89,7 +89,7 @@ def _plan_sharing(plain: dict[str, torch.Tensor]):
             continue  # reinterpreted bytes of different dtypes: store each on its own
         lo = min(t.storage_offset() for t in ts)
         hi = max(t.storage_offset() + _extent(t) for t in ts)
-        base_name = f".storage.{len(storages)}"  # a leading dot: never a user FQN
+        base_name = f".storage.{names[0]}"  # a leading dot: never a user FQN; unique per group
         storages[base_name] = torch.as_strided(ts[0], (hi - lo,), (1,), lo)
         for n, t in zip(names, ts):
             views[n] = (base_name, ViewRecord(base=base_name, storage_offset=t.storage_offset() - lo,
@@ -108,6 +108,10 @@ def save(
     storage_options: dict | None = None,
     chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
     sync: bool = True,
+    process_group=None,
+    timeout=None,
+    mesh: Mapping[str, int] | None = None,
+    check_replicas: bool = False,
     _save_id: str | None = None,
     _clock=None,
     _writer_versions: Mapping[str, str] | None = None,
@@ -117,10 +121,24 @@ def save(
 
     ``path`` is used exactly as given. An existing committed checkpoint there is replaced
     only with ``overwrite=True``, atomically. Returns the manifest that was committed.
+
+    Under an initialized process group (world size > 1, or ``process_group`` given) every
+    rank calls ``save`` with its own state: DTensors, ShardedTensors, replicated plain
+    tensors and values, ``PerRank`` values. Every rank writes its own file in parallel,
+    replicated data is written once, and rank 0 commits after every rank succeeded
+    (see ``shardfmt.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
+    the job's layout in the manifest; ``timeout`` bounds every collective;
+    ``check_replicas`` verifies that replicated tensors and values agree across ranks.
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        from .distributed import save_distributed  # noqa: F401  (arrives with distributed save)
+    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                     and torch.distributed.get_world_size() > 1):
+        from .distributed import save_distributed
+
+        return save_distributed(
+            state_dict, path, step=step, metadata=metadata, overwrite=overwrite,
+            storage_options=storage_options, chunk_size=chunk_size, sync=sync,
+            process_group=process_group, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
+            _save_id=_save_id, _clock=_clock, _writer_versions=_writer_versions, _on_step=_on_step)
 
     leaves = flatten(state_dict)
     plain: dict[str, torch.Tensor] = {}
@@ -179,16 +197,27 @@ class _Post:
     stride: tuple[int, ...]
 
 
-def _target_of(leaf: Leaf) -> tuple[torch.Tensor, Box, tuple[int, ...]]:
+def _targets_of(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]], tuple[int, ...]]:
+    """Return (local tensor, [(destination view, global box)], global shape) for a tensor leaf."""
     v = leaf.value
     if isinstance(v, ShardedTensor):
-        return v.local, Box(v.offsets, tuple(v.local.shape)), v.global_shape
+        return v.local, [(v.local, Box(v.offsets, tuple(v.local.shape)))], v.global_shape
     if _is_dtensor(v):
+        from reshard.topology import held_boxes
+
+        from .distributed import dtensor_layout
+
+        try:
+            layout, coords, sizes = dtensor_layout(v)
+        except StateDictError as e:
+            raise StateDictError(f"{leaf.fqn}: {e}") from None
         local = v.to_local()
-        if tuple(local.shape) != tuple(v.shape):
-            raise StateDictError(f"{leaf.fqn}: a sharded DTensor target needs a distributed load")
-        return local, Box.full(local.shape), tuple(v.shape)
-    return v, Box.full(v.shape), tuple(v.shape)
+        out = []
+        for hb in held_boxes(tuple(v.shape), layout, coords, sizes) if coords else []:
+            sl = tuple(slice(o, o + n) for o, n in zip(hb.local_offsets, hb.box.lengths))
+            out.append((local[sl] if local.dim() else local, hb.box))
+        return local, out, tuple(v.shape)
+    return v, [(v, Box.full(v.shape))], tuple(v.shape)
 
 
 def load(
@@ -198,7 +227,9 @@ def load(
     strict: bool = True,
     verify: bool = True,
     cast: bool = False,
-    rank: int = 0,
+    rank: int | None = None,
+    per_rank: str = "error",
+    process_group=None,
     storage_options: dict | None = None,
     max_gap: int = DEFAULT_MAX_GAP,
     max_read: int = DEFAULT_MAX_READ,
@@ -209,7 +240,16 @@ def load(
     Tensors (plain, or ShardedTensor slices) are filled in place, keeping their device;
     non-tensor leaves are replaced with the stored values. ``strict`` raises if a key the
     caller holds is not in the checkpoint; otherwise it is reported in ``missing``.
+
+    Works on any topology: every rank (under torch.distributed, or ``rank=`` given) plans
+    its own reads from its own targets — DTensors (any mesh and placements), ShardedTensor
+    slices, or plain full tensors — and reads only the bytes it needs. ``PerRank`` values
+    come back to their own rank; on a different world size ``per_rank="error"`` (default)
+    raises, ``"skip"`` leaves the caller's values as they are.
     """
+    if per_rank not in ("error", "skip"):
+        raise StateDictError(f"per_rank must be 'error' or 'skip', got {per_rank!r}")
+    rank, world_size = _rank_and_world(rank, process_group)
     ckpt = open_checkpoint(path, storage_options=storage_options)
     m = ckpt.manifest
     leaves = flatten(state_dict)
@@ -226,7 +266,7 @@ def load(
             if leaf.fqn not in m.tensors:
                 missing.append(leaf.fqn)
                 continue
-            dst, box, gshape = _target_of(leaf)
+            dst, pieces, gshape = _targets_of(leaf)
             name, rec = m.resolve(leaf.fqn)
             if tuple(gshape) != rec.shape:
                 raise ShapeError(f"{leaf.fqn}: target shape {list(gshape)} != checkpoint shape {list(rec.shape)}")
@@ -238,17 +278,26 @@ def load(
                 raise StateDictError(f"{leaf.fqn}: cannot load into a meta tensor; materialise it first")
             loaded.append(leaf.fqn)
             if rec.view is not None:
-                _plan_view(leaf.fqn, rec, m, dst, box, targets, dsts, src_dtypes, posts)
+                if len(pieces) != 1:
+                    raise StateDictError(f"{leaf.fqn}: a tensor stored as a view of a shared buffer loads only whole")
+                _plan_view(leaf.fqn, rec, m, pieces[0][0], pieces[0][1], targets, dsts, src_dtypes, posts)
                 continue
-            targets.append(TargetSlice(index=len(dsts), fqn=name, box=box))
-            dsts.append(dst)
-            src_dtypes.append(src_dtype)
+            for view, box in pieces:
+                targets.append(TargetSlice(index=len(dsts), fqn=name, box=box))
+                dsts.append(view)
+                src_dtypes.append(src_dtype)
         else:
             rec = m.values.get(leaf.fqn)
             if rec is None:
                 missing.append(leaf.fqn)
                 continue
-            pending_values.append((leaf, _value_for_rank(leaf.fqn, rec, rank, m.topology.world_size)))
+            if isinstance(v, PerRank) or rec.per_rank is not None:
+                got = _value_for_rank(leaf.fqn, rec, rank, world_size, m.topology.world_size, per_rank)
+                if got is _SKIP:
+                    continue
+                pending_values.append((leaf, PerRank(got) if isinstance(v, PerRank) else got))
+            else:
+                pending_values.append((leaf, jsonvalue.decode(rec.value, where=leaf.fqn)))
             loaded.append(leaf.fqn)
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
@@ -291,10 +340,24 @@ def _plan_view(fqn, rec, m: Manifest, dst, box: Box, targets, dsts, src_dtypes, 
     posts.append(_Post(leaf=fqn, dst=dst, buf_index=len(dsts) - 1, lo=0, shape=rec.shape, stride=view.stride))
 
 
-def _value_for_rank(fqn: str, rec, rank: int, world_size: int) -> Any:
+_SKIP = object()
+
+
+def _rank_and_world(rank: int | None, process_group) -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        r = dist.get_rank(process_group)
+        return (r if rank is None else rank), dist.get_world_size(process_group)
+    return (rank or 0), 1 if rank is None else max(rank + 1, 1)
+
+
+def _value_for_rank(fqn: str, rec, rank: int, world_size: int, saved_world: int, policy: str) -> Any:
     if rec.per_rank is None:
-        return jsonvalue.decode(rec.value, where=fqn)
-    if rank not in rec.per_rank:
-        raise StateDictError(f"{fqn}: per-rank value was saved for ranks {sorted(rec.per_rank)} "
-                             f"(world size {world_size}); rank {rank} has none")
+        raise StateDictError(f"{fqn}: the checkpoint holds one replicated value, the caller expects PerRank")
+    if world_size != saved_world and policy == "skip":
+        return _SKIP
+    if world_size != saved_world or rank not in rec.per_rank:
+        raise StateDictError(f"{fqn}: per-rank value was saved by {saved_world} rank(s) "
+                             f"(ranks {sorted(rec.per_rank)[:8]}), this job has {world_size} "
+                             f"and this is rank {rank}; pass per_rank='skip' to keep the current values")
     return jsonvalue.decode(rec.per_rank[rank], where=fqn)

@@ -69,22 +69,20 @@ class ShardRecord:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
-    """How a tensor was laid out over the mesh: symbolic, so boxes can be derived.
+    """How a tensor was laid out over the mesh, symbolically, so boxes can be derived.
 
-    ``shard`` lists ``(tensor_dim, mesh_dim)`` pairs, outermost mesh split first;
-    ``replicate`` names the mesh dims holding copies; ``stage`` the owning PP stage.
+    One placement per named mesh dim, applied left to right as DTensor does:
+    ``("shard", d)``, ``("strided_shard", d, split_factor)`` or ``("replicate",)``;
+    ``stage`` is the pipeline stage that owns the tensor (None: every stage).
     """
 
-    shard: tuple[tuple[int, str], ...] = ()
-    replicate: tuple[str, ...] = ()
+    mesh_dims: tuple[str, ...] = ()
+    placements: tuple[tuple, ...] = ()
     stage: int | None = None
 
     def to_json(self) -> dict:
-        return {
-            "shard": [[d, m] for d, m in self.shard],
-            "replicate": list(self.replicate),
-            "stage": self.stage,
-        }
+        return {"mesh_dims": list(self.mesh_dims), "placements": [list(p) for p in self.placements],
+                "stage": self.stage}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,11 +148,14 @@ class FileRecord:
 
     rank: int
     size: int
+    header_size: int
+    header_digest: str
     chunks: tuple[str, ...]
     digest: str
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "size": self.size, "digest": self.digest, "chunks": list(self.chunks)}
+        return {"rank": self.rank, "size": self.size, "header_size": self.header_size,
+                "header_digest": self.header_digest, "digest": self.digest, "chunks": list(self.chunks)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,8 +165,17 @@ class Topology:
     world_size: int = 1
     mesh: tuple[tuple[str, int], ...] = ()
 
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Return the rank's mesh coordinates (row-major: last dim fastest)."""
+        out = []
+        for _, size in reversed(self.mesh):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "mesh": [{"name": n, "size": s} for n, s in self.mesh]}
+        return {"world_size": self.world_size, "mesh": [{"name": n, "size": s} for n, s in self.mesh],
+                "ranks": [list(self.coords(r)) for r in range(self.world_size)] if self.mesh else []}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -352,18 +362,26 @@ def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
     if v is None:
         return None
     o = _obj(v, where)
-    _keys(o, where, {"shard", "replicate", "stage"})
-    shard = []
-    for i, pair in enumerate(_list(o["shard"], where + ".shard", max_len=MAX_NDIM)):
-        p = _list(pair, f"{where}.shard[{i}]", max_len=2)
-        if len(p) != 2:
-            raise _fail(f"{where}.shard[{i}]", "expected [tensor_dim, mesh_dim]")
-        shard.append((_int(p[0], f"{where}.shard[{i}][0]", hi=max(ndim - 1, 0)),
-                      _str(p[1], f"{where}.shard[{i}][1]", max_len=64)))
-    rep = tuple(_str(x, f"{where}.replicate[{i}]", max_len=64)
-                for i, x in enumerate(_list(o["replicate"], where + ".replicate", max_len=MAX_NDIM)))
+    _keys(o, where, {"mesh_dims", "placements", "stage"})
+    dims = tuple(_str(x, f"{where}.mesh_dims[{i}]", max_len=64)
+                 for i, x in enumerate(_list(o["mesh_dims"], where + ".mesh_dims", max_len=16)))
+    places = []
+    for i, p in enumerate(_list(o["placements"], where + ".placements", max_len=16)):
+        w = f"{where}.placements[{i}]"
+        p = _list(p, w, max_len=3)
+        if p == ["replicate"]:
+            places.append(("replicate",))
+        elif len(p) == 2 and p[0] == "shard":
+            places.append(("shard", _int(p[1], w + "[1]", hi=max(ndim - 1, 0))))
+        elif len(p) == 3 and p[0] == "strided_shard":
+            places.append(("strided_shard", _int(p[1], w + "[1]", hi=max(ndim - 1, 0)),
+                           _int(p[2], w + "[2]", lo=1, hi=1 << 24)))
+        else:
+            raise _fail(w, f"unknown placement {p!r}")
+    if len(places) != len(dims):
+        raise _fail(where, f"{len(dims)} mesh dims but {len(places)} placements")
     stage = None if o["stage"] is None else _int(o["stage"], where + ".stage", hi=1 << 20)
-    return Placement(shard=tuple(shard), replicate=rep, stage=stage)
+    return Placement(mesh_dims=dims, placements=tuple(places), stage=stage)
 
 
 def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]) -> TensorRecord:
@@ -402,16 +420,20 @@ def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]
 
 def _parse_file(v: Any, where: str) -> FileRecord:
     o = _obj(v, where)
-    _keys(o, where, {"rank", "size", "digest", "chunks"})
+    _keys(o, where, {"rank", "size", "header_size", "header_digest", "digest", "chunks"})
     chunks = tuple(_digest(c, f"{where}.chunks[{i}]") for i, c in enumerate(_list(o["chunks"], where + ".chunks")))
-    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=1 << 24),
-                      size=_int(o["size"], where + ".size", hi=1 << 62),
+    size = _int(o["size"], where + ".size", hi=1 << 62)
+    header_size = _int(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
+    if header_size > size:
+        raise _fail(where + ".header_size", f"{header_size} exceeds the file size {size}")
+    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=1 << 24), size=size,
+                      header_size=header_size, header_digest=_digest(o["header_digest"], where + ".header_digest"),
                       chunks=chunks, digest=_digest(o["digest"], where + ".digest"))
 
 
 def _parse_topology(v: Any, where: str) -> Topology:
     o = _obj(v, where)
-    _keys(o, where, {"world_size", "mesh"})
+    _keys(o, where, {"world_size", "mesh", "ranks"})
     ws = _int(o["world_size"], where + ".world_size", lo=1, hi=1 << 24)
     mesh = []
     for i, d in enumerate(_list(o["mesh"], where + ".mesh", max_len=16)):
@@ -425,7 +447,12 @@ def _parse_topology(v: Any, where: str) -> Topology:
         raise _fail(where, f"mesh {mesh} does not multiply to world_size {ws}")
     if len({n for n, _ in mesh}) != len(mesh):
         raise _fail(where + ".mesh", "duplicate mesh dim names")
-    return Topology(world_size=ws, mesh=tuple(mesh))
+    topo = Topology(world_size=ws, mesh=tuple(mesh))
+    ranks = _list(o["ranks"], where + ".ranks", max_len=1 << 24)
+    want = [list(topo.coords(r)) for r in range(ws)] if mesh else []
+    if ranks != want:
+        raise _fail(where + ".ranks", "rank coordinates must list every rank's row-major mesh coordinates")
+    return topo
 
 
 def _parse_value(v: Any, where: str) -> ValueRecord:

@@ -93,36 +93,32 @@ def shard_key_ok(fqn: str, shard: ShardRecord) -> bool:
 
 def check_headers(storage: Storage, path: str, manifest: Manifest,
                   shards: Iterable[tuple[str, ShardRecord]]) -> None:
-    """Read the header of every file ``shards`` come from; verify its chunks and that each
-    shard's key, dtype, shape and byte range agree with it. Raise on the first mismatch.
+    """Read and verify the header of every file ``shards`` come from (exactly its
+    ``header_size`` bytes, against ``header_digest``); check each shard's key, dtype, shape
+    and byte range against it. Raise on the first mismatch.
 
     This is what stops a manifest whose byte ranges point at the wrong (but intact) bytes.
     """
     by_file: dict[str, list[tuple[str, ShardRecord]]] = {}
     for fqn, shard in shards:
         by_file.setdefault(shard.file, []).append((fqn, shard))
-    chunk = manifest.chunk_size
     for name in sorted(by_file):
         frec = manifest.files[name]
         reader = storage.open_reader(storage.join(path, name))
         try:
             if reader.size != frec.size:
                 raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")
-            prefix = bytearray(min(PREFIX_BYTES, reader.size))
-            reader.readinto(0, [memoryview(prefix)])
-            n = header_length(bytes(prefix), source=name, file_size=reader.size)
-            end = PREFIX_BYTES + n
-            covered = min(-(-end // chunk) * chunk, reader.size)
-            buf = bytearray(covered)
+            buf = bytearray(frec.header_size)
             reader.readinto(0, [memoryview(buf)])
         finally:
             reader.close()
-        for k in range(0, covered, chunk):
-            got = hashing.digest_bytes(memoryview(buf)[k : k + chunk])
-            if got != frec.chunks[k // chunk]:
-                raise IntegrityError(f"{name}: chunk {k // chunk} (bytes [{k}, {min(k + chunk, covered)})) "
-                                     f"hashes to {got}, manifest says {frec.chunks[k // chunk]}")
-        entries = decode_header(bytes(buf[:end]), source=name, file_size=reader.size)
+        got = hashing.digest_bytes(buf)
+        if got != frec.header_digest:
+            raise IntegrityError(f"{name}: header (bytes [0, {frec.header_size})) hashes to {got}, "
+                                 f"manifest says {frec.header_digest}")
+        if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != frec.header_size:
+            raise HeaderError(f"{name}: header length disagrees with the manifest's header_size")
+        entries = decode_header(bytes(buf), source=name, file_size=frec.size)
         for fqn, shard in by_file[name]:
             e = entries.get(shard.key)
             rec = manifest.tensor(fqn)

@@ -25,13 +25,19 @@ from .errors import ShapeError, StateDictError
 
 @dataclass(frozen=True, slots=True)
 class ShardedTensor:
-    """``local`` is the slice ``[offsets, offsets + local.shape)`` of a global tensor."""
+    """``local`` is the slice ``[offsets, offsets + local.shape)`` of a global tensor.
+
+    ``layout`` (a ``reshard.topology.Layout``), when given, is recorded in the manifest as
+    the tensor's symbolic placement, so tools can re-derive every rank's slice.
+    """
 
     local: torch.Tensor
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    layout: Any = None
 
-    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> None:
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int],
+                 *, layout: Any = None) -> None:
         if not isinstance(local, torch.Tensor):
             raise StateDictError(f"ShardedTensor needs a torch.Tensor, got {type(local).__name__}")
         gs = tuple(int(x) for x in global_shape)
@@ -44,6 +50,7 @@ class ShardedTensor:
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "global_shape", gs)
         object.__setattr__(self, "offsets", offs)
+        object.__setattr__(self, "layout", layout)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,7 +179,7 @@ def _check_files(storage: Storage, path: str, m: Manifest, problems: list[Proble
                 problems.append(Problem(code="file_size", file=name,
                                         message=f"is {reader.size} bytes, manifest says {frec.size}"))
                 continue
-            _check_header(reader, name, by_file.get(name, []), problems)
+            _check_header(reader, name, frec, by_file.get(name, []), problems)
             if deep:
                 _rehash(reader, name, frec, m.chunk_size, problems)
         except ShardfmtError as e:
@@ -194,15 +194,20 @@ def _read(reader, offset: int, n: int) -> bytearray:
     return buf
 
 
-def _check_header(reader, name: str, shards: list, problems: list[Problem]) -> None:
+def _check_header(reader, name: str, frec, shards: list, problems: list[Problem]) -> None:
     size = reader.size
     prefix = _read(reader, 0, min(PREFIX_BYTES, size))
     try:
         n = header_length(bytes(prefix), source=name, file_size=size)
-        entries = decode_header(bytes(prefix) + bytes(_read(reader, PREFIX_BYTES, n)), source=name, file_size=size)
+        raw = bytes(prefix) + bytes(_read(reader, PREFIX_BYTES, n))
+        entries = decode_header(raw, source=name, file_size=size)
     except ShardfmtError as e:
         problems.append(Problem(code="header", file=name, message=str(e)))
         return
+    if len(raw) != frec.header_size or hashing.digest_bytes(raw) != frec.header_digest:
+        problems.append(Problem(code="header", file=name, byte_range=(0, len(raw)),
+                                message=f"header ({len(raw)} bytes) does not match the manifest's "
+                                        f"header_size {frec.header_size} / header_digest"))
     listed = set()
     for fqn, dtype, s in shards:
         listed.add(s.key)

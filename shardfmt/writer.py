@@ -128,7 +128,9 @@ def write_shard_file(
     chunks = tuple(hasher.finish())
     if hasher.total != header.file_size:
         raise CommitError(f"{path}: wrote {hasher.total} bytes, header promised {header.file_size}")
-    record = FileRecord(rank=rank, size=hasher.total, chunks=chunks, digest=hashing.combine(chunks))
+    record = FileRecord(rank=rank, size=hasher.total, header_size=len(header.data),
+                        header_digest=hashing.digest_bytes(header.data), chunks=chunks,
+                        digest=hashing.combine(chunks))
     shard_records = []
     for entry, s in zip(header.entries, shards):
         span = hashing.chunk_span(entry.start, entry.end, chunk_size)
@@ -224,15 +226,19 @@ class CheckpointWriter:
             (self._storages if fqn in storage_names else self._tensors)[fqn].shards.append(shard)
         return written
 
-    def add_file(self, written: WrittenFile, shards_meta: Sequence[tuple[str, str, tuple[int, ...], Placement | None]]) -> None:
-        """Record a file written elsewhere (another rank) with ``(fqn, dtype, shape, placement)``."""
+    def add_file(self, written: WrittenFile,
+                 tensor_meta: Mapping[str, tuple[str, tuple[int, ...], Placement | None]],
+                 storage_names: frozenset[str] = frozenset()) -> None:
+        """Record a file another process wrote: ``tensor_meta`` maps fqn -> (dtype, shape, placement)."""
+        if written.name in self._files:
+            raise CommitError(f"{written.name}: recorded twice in one save")
         self._files[written.name] = written.record
-        meta = {m[0]: m for m in shards_meta}
         for fqn, shard in written.shards:
-            t = self._tensors.get(fqn)
+            table = self._storages if fqn in storage_names else self._tensors
+            t = table.get(fqn)
             if t is None:
-                _, dtype, shape, placement = meta[fqn]
-                t = self._tensors[fqn] = _TensorMeta(dtype, tuple(shape), placement)
+                dtype, shape, placement = tensor_meta[fqn]
+                t = table[fqn] = _TensorMeta(dtype, tuple(shape), placement)
             t.shards.append(shard)
 
     # -- 3) other records

@@ -1,0 +1,478 @@
+"""Distributed save under torch.distributed: every rank writes its own file, rank 0 commits.
+
+Protocol (every rank of the group calls ``save`` with its own state dict)::
+
+    1) every rank flattens its state and describes what it holds (JSON): tensor boxes
+       (DTensor placements are read off the DTensor), values, per-rank values, aliases
+    2) all-gather of the descriptions, as bytes on a gloo control group (never pickle)
+    3) every rank computes the same write plan: each distinct (tensor, box) is written
+       exactly once, by one of its holders, largest boxes first, to the holder with the
+       fewest bytes so far (ties: lowest rank)
+    4) rank 0 checks the destination and stages the temp dir; broadcasts the outcome
+    5) every rank streams its file into the staging dir; all-gather of the outcomes
+    6) rank 0 builds the manifest and publishes (the commit protocol); broadcasts it
+    7) every rank returns the manifest, or raises the same error naming the failed rank
+
+Any failure at any step — on any rank — means nothing is committed and every rank raises.
+Collectives run on a gloo group created with the caller's ``timeout``, so a dead or
+frozen rank surfaces as an error within it rather than a hang.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed as dist
+
+from reshard.geometry import Box
+from reshard.topology import Layout, Replicate, Shard, StridedShard, held_boxes
+
+from . import hashing, jsonvalue
+from .dtypes import dtype_code
+from .errors import (
+    CheckpointExistsError,
+    CommitError,
+    ShardfmtError,
+    StateDictError,
+)
+from .manifest import FileRecord, Placement, ShardRecord, Topology, ViewRecord
+from .state import PerRank, ShardedTensor, _is_dtensor, flatten
+from .writer import CheckpointWriter, ShardData, WrittenFile, new_save_id, write_shard_file
+
+DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
+_GROUPS: dict[tuple, Any] = {}  # (process group, timeout) -> gloo control group; groups are costly
+
+
+def control_group(process_group=None, timeout: _dt.timedelta | None = None):
+    """Return a gloo group over ``process_group``'s ranks with ``timeout`` (created once)."""
+    timeout = timeout or DEFAULT_TIMEOUT
+    pg = process_group or dist.group.WORLD
+    key = (id(pg), timeout.total_seconds())
+    g = _GROUPS.get(key)
+    if g is None:
+        ranks = dist.get_process_group_ranks(pg) if process_group is not None else None
+        g = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+        _GROUPS[key] = g
+    return g
+
+
+def all_gather_bytes(data: bytes, group) -> list[bytes]:
+    """All-gather one byte string per rank (sizes first, then padded payloads)."""
+    n = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.zeros(max(longest, 1), dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(outs, buf, group=group)
+    return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def broadcast_bytes(data: bytes | None, src: int, group) -> bytes:
+    """Broadcast a byte string from group rank ``src``."""
+    me = dist.get_rank(group)
+    size = torch.tensor([len(data) if me == src else 0], dtype=torch.int64)
+    dist.broadcast(size, group_src=src, group=group)
+    buf = torch.zeros(max(int(size.item()), 1), dtype=torch.uint8)
+    if me == src and data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, group_src=src, group=group)
+    return bytes(buf[: int(size.item())].numpy().tobytes())
+
+
+# --------------------------------------------------------------------------- describing state
+
+
+def dtensor_layout(v) -> tuple[Layout, dict[str, int], dict[str, int]]:
+    """Return the Layout of a DTensor, this rank's mesh coordinates and the mesh sizes."""
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = v.device_mesh
+    names = tuple(mesh.mesh_dim_names or (f"mesh{i}" for i in range(mesh.ndim)))
+    places = []
+    for p in v.placements:
+        if isinstance(p, _StridedShard):
+            places.append(StridedShard(p.dim, int(p.split_factor)))
+        elif isinstance(p, TShard):
+            places.append(Shard(p.dim if p.dim >= 0 else p.dim + v.dim()))
+        elif isinstance(p, TReplicate):
+            places.append(Replicate())
+        elif isinstance(p, Partial):
+            raise StateDictError("Partial placement (pending reduction) cannot be saved; "
+                                 "redistribute to Shard or Replicate first")
+        else:
+            raise StateDictError(f"unsupported DTensor placement {p!r}")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return Layout(names, tuple(places)), {}, {}
+    return (Layout(names, tuple(places)), dict(zip(names, coord)), dict(zip(names, mesh.shape)))
+
+
+@dataclass(slots=True)
+class _Held:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    placement: Placement | None
+    pieces: list[tuple[Box, torch.Tensor]]  # global box -> local data view
+
+
+def _layout_record(layout: Layout) -> Placement:
+    return Placement(mesh_dims=layout.mesh_dims, placements=tuple(tuple(p.to_json()) for p in layout.placements),
+                     stage=layout.stage)
+
+
+def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[str, Any]]:
+    """Return what this rank holds: tensors (with local views), a JSON description, values."""
+    from .api import _check_saveable, _plan_sharing
+
+    held: dict[str, _Held] = {}
+    plain: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    per_rank: dict[str, Any] = {}
+    for leaf in flatten(state_dict):
+        v = leaf.value
+        if _is_dtensor(v):
+            try:
+                layout, coords, sizes = dtensor_layout(v)
+            except StateDictError as e:
+                raise StateDictError(f"{leaf.fqn}: {e}") from None
+            local = v.to_local().detach()
+            _check_saveable(leaf.fqn, local)
+            pieces = []
+            for hb in held_boxes(tuple(v.shape), layout, coords, sizes) if coords else []:
+                sl = tuple(slice(o, o + n) for o, n in zip(hb.local_offsets, hb.box.lengths))
+                pieces.append((hb.box, local[sl] if local.dim() else local))
+            held[leaf.fqn] = _Held(leaf.fqn, dtype_code(local.dtype, what=leaf.fqn), tuple(v.shape),
+                                   _layout_record(layout), pieces)
+        elif isinstance(v, ShardedTensor):
+            _check_saveable(leaf.fqn, v.local)
+            held[leaf.fqn] = _Held(leaf.fqn, dtype_code(v.local.dtype, what=leaf.fqn), v.global_shape,
+                                   _layout_record(v.layout) if v.layout is not None else None,
+                                   [(Box(v.offsets, tuple(v.local.shape)), v.local.detach())])
+        elif isinstance(v, torch.Tensor):
+            _check_saveable(leaf.fqn, v)
+            plain[leaf.fqn] = v.detach()
+        elif isinstance(v, PerRank):
+            per_rank[leaf.fqn] = jsonvalue.encode(v.value, where=leaf.fqn)
+        else:
+            values[leaf.fqn] = jsonvalue.encode(v, where=leaf.fqn)
+    stored, aliases, views, storages = _plan_sharing(plain)
+    for fqn, t in list(stored.items()) + list(storages.items()):
+        held[fqn] = _Held(fqn, dtype_code(t.dtype, what=fqn), tuple(t.shape), None, [(Box.full(t.shape), t)])
+    desc = {
+        "rank": rank,
+        "tensors": [
+            {"fqn": h.fqn, "dtype": h.dtype, "shape": list(h.shape),
+             "placement": h.placement.to_json() if h.placement else None,
+             "storage": h.fqn in storages,
+             "boxes": [[list(b.offsets), list(b.lengths)] for b, _ in h.pieces]}
+            for h in held.values()
+        ],
+        "aliases": aliases,
+        "views": {f: {"dtype": dtype_code(plain[f].dtype, what=f), "shape": list(plain[f].shape),
+                      "view": vr.to_json()} for f, (_, vr) in views.items()},
+        "values": values,
+        "per_rank": per_rank,
+    }
+    return held, desc, values
+
+
+# --------------------------------------------------------------------------- the write plan
+
+
+def assign_writers(descs: list[dict]) -> dict[tuple[str, tuple, tuple], int]:
+    """Choose, for every distinct (fqn, box), the rank that writes it (deterministic)."""
+    holders: dict[tuple[str, tuple, tuple], list[int]] = {}
+    nbytes: dict[tuple[str, tuple, tuple], int] = {}
+    meta: dict[str, tuple[str, tuple]] = {}
+    for d in descs:
+        for t in d["tensors"]:
+            sig = (t["dtype"], tuple(t["shape"]))
+            if meta.setdefault(t["fqn"], sig) != sig:
+                raise StateDictError(f"{t['fqn']}: ranks disagree on dtype/shape ({meta[t['fqn']]} vs {sig} "
+                                     f"on rank {d['rank']})")
+            isz = torch.empty(0, dtype=_torch_dtype(t["dtype"])).element_size()
+            for offs, lens in t["boxes"]:
+                key = (t["fqn"], tuple(offs), tuple(lens))
+                holders.setdefault(key, []).append(d["rank"])
+                nbytes[key] = isz * _prod(lens)
+    load: dict[int, int] = {d["rank"]: 0 for d in descs}
+    out = {}
+    for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+        r = min(holders[key], key=lambda x: (load[x], x))
+        out[key] = r
+        load[r] += nbytes[key]
+    return out
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
+
+
+def _torch_dtype(code: str) -> torch.dtype:
+    from .dtypes import torch_dtype
+
+    return torch_dtype(code)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _err_payload(rank: int, e: BaseException) -> dict:
+    return {"ok": False, "rank": rank, "type": type(e).__name__, "error": str(e)}
+
+
+def _raise_from(payloads: list[dict], what: str) -> None:
+    bad = [p for p in payloads if not p.get("ok", True)]
+    if not bad:
+        return
+    first = bad[0]
+    msg = "; ".join(f"rank {p['rank']}: {p['type']}: {p['error']}" for p in bad[:4])
+    if len(bad) > 4:
+        msg += f"; and {len(bad) - 4} more ranks"
+    cls = CheckpointExistsError if first["type"] == "CheckpointExistsError" else CommitError
+    if first["type"] in ("StateDictError", "EncodingError", "DTypeError", "ShapeError"):
+        cls = StateDictError
+    raise cls(f"{what} failed, nothing was committed: {msg}")
+
+
+def _collective(fn, what: str, rank: int):
+    try:
+        return fn()
+    except ShardfmtError:
+        raise
+    except Exception as e:  # gloo raises RuntimeError/DistBackendError on a dead or frozen peer
+        raise CommitError(f"rank {rank}: {what} failed (a rank died, froze or timed out): {e}") from None
+
+
+def save_distributed(
+    state_dict: dict,
+    path: str,
+    *,
+    step: int | None = None,
+    metadata: Any = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
+    sync: bool = True,
+    process_group=None,
+    timeout: _dt.timedelta | None = None,
+    mesh: Mapping[str, int] | None = None,
+    check_replicas: bool = False,
+    storage=None,
+    _save_id: str | None = None,
+    _clock=None,
+    _writer_versions: Mapping[str, str] | None = None,
+    _on_step=None,
+):
+    """Save under an initialized process group; see the module docstring for the protocol."""
+    from .storage import get_storage
+
+    group = control_group(process_group, timeout)
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if storage is None:
+        storage, path = get_storage(path, storage_options)
+
+    # 1-2) describe and gather
+    try:
+        held, desc, _ = describe(state_dict, rank)
+        payload = {"ok": True, **desc}
+        if check_replicas:
+            payload["replica_digests"] = {
+                f"{h.fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
+                for h in held.values() for box, data in h.pieces}
+    except ShardfmtError as e:
+        payload = _err_payload(rank, e)
+        held = {}
+    blobs = _collective(lambda: all_gather_bytes(orjson.dumps(payload), group), "gathering save plans", rank)
+    descs = [orjson.loads(b) for b in blobs]
+    _raise_from(descs, "describing the state")
+    if check_replicas:
+        _check_replicas(descs)
+
+    # 3) the write plan, identical on every rank
+    writers = assign_writers(descs)
+    mine = [ShardData(fqn=h.fqn, data=data, global_shape=h.shape, offsets=box.offsets, placement=h.placement)
+            for h in held.values() for box, data in h.pieces
+            if writers[(h.fqn, box.offsets, box.lengths)] == rank]
+    storage_names = {t["fqn"] for d in descs for t in d["tensors"] if t.get("storage")}
+
+    # 4) rank 0 stages
+    writer = None
+    if rank == 0:
+        try:
+            writer = CheckpointWriter(path, storage=storage, overwrite=overwrite, save_id=_save_id or new_save_id(),
+                                      clock=_clock, writer_versions=_writer_versions, chunk_size=chunk_size,
+                                      sync=sync, on_step=_on_step)
+            status = {"ok": True, "rank": 0, "save_id": writer.save_id, "staging": writer.staging}
+        except ShardfmtError as e:
+            status = _err_payload(0, e)
+        blob = orjson.dumps(status)
+    else:
+        blob = None
+    status = orjson.loads(_collective(lambda: broadcast_bytes(blob, 0, group), "staging", rank))
+    _raise_from([status], "staging the checkpoint")
+
+    # 5) every rank writes its file
+    try:
+        if mine and rank != 0:
+            written = write_shard_file(storage, status["staging"], _file_name(rank), rank,
+                                       _ordered(mine), chunk_size=chunk_size, sync=sync)
+            result = {"ok": True, "rank": rank, "file": _written_json(written)}
+        elif mine:
+            written = writer.write_rank(0, [s for s in mine if s.fqn not in storage_names],
+                                        storages=[s for s in mine if s.fqn in storage_names])
+            result = {"ok": True, "rank": 0, "file": None}
+        else:
+            result = {"ok": True, "rank": rank, "file": None}
+    except (ShardfmtError, OSError) as e:
+        result = _err_payload(rank, e)
+    try:
+        results = [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(result), group)]
+    except Exception as e:  # noqa: BLE001
+        if writer is not None:
+            writer.abort()
+        raise CommitError(f"rank {rank}: gathering write results failed (a rank died, froze or timed out): "
+                          f"{e}; nothing was committed") from None
+    if any(not r["ok"] for r in results):
+        if writer is not None:
+            writer.abort()
+        _raise_from(results, "writing shard files")
+
+    # 6) rank 0 commits
+    if rank == 0:
+        try:
+            meta = {t["fqn"]: (t["dtype"], tuple(t["shape"]), _placement_from_json(t["placement"]))
+                    for d in descs for t in d["tensors"]}
+            for r in results:
+                if r["file"] is not None:
+                    writer.add_file(_written_from_json(r["file"]), meta, frozenset(storage_names))
+            _add_records(writer, descs)
+            topo = _topology(mesh, world)
+            manifest = writer.commit(step=step, metadata=metadata, topology=topo)
+            outcome = {"ok": True, "rank": 0, "manifest": manifest.to_json().decode()}
+        except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised here
+            writer.abort()
+            outcome = _err_payload(0, e)
+        blob = orjson.dumps(outcome)
+    else:
+        blob = None
+    outcome = orjson.loads(_collective(lambda: broadcast_bytes(blob, 0, group), "committing", rank))
+    _raise_from([outcome], "committing")
+    from .manifest import parse_manifest
+
+    return parse_manifest(outcome["manifest"].encode())
+
+
+def _digest_tensor(t: torch.Tensor) -> str:
+    import xxhash
+
+    from .tensor_bytes import byte_pieces
+
+    h = xxhash.xxh3_128()
+    for piece in byte_pieces(t):
+        h.update(piece)
+    return hashing.format_digest(h.digest())
+
+
+def _check_replicas(descs: list[dict]) -> None:
+    ref: dict[str, tuple[int, str]] = {}
+    for d in descs:
+        for fqn, digest in d.get("replica_digests", {}).items():
+            if fqn in ref and ref[fqn][1] != digest:
+                raise StateDictError(f"{fqn}: replicated data differs between rank {ref[fqn][0]} and "
+                                     f"rank {d['rank']} (check_replicas=True)")
+            ref.setdefault(fqn, (d["rank"], digest))
+        for fqn, v in d["values"].items():
+            key = "value:" + fqn
+            enc = orjson.dumps(v, option=orjson.OPT_SORT_KEYS).decode()
+            if key in ref and ref[key][1] != enc:
+                raise StateDictError(f"{fqn}: replicated value differs between rank {ref[key][0]} and "
+                                     f"rank {d['rank']} (check_replicas=True; wrap per-rank values in PerRank)")
+            ref.setdefault(key, (d["rank"], enc))
+
+
+def _file_name(rank: int) -> str:
+    from .manifest import rank_file_name
+
+    return rank_file_name(rank)
+
+
+def _ordered(shards: list[ShardData]) -> list[ShardData]:
+    return sorted(shards, key=lambda s: (-s.data.element_size(), s.fqn, s.offsets))
+
+
+def _written_json(w: WrittenFile) -> dict:
+    return {"name": w.name, "record": w.record.to_json(), "shards": [[f, s.to_json()] for f, s in w.shards]}
+
+
+def _written_from_json(o: dict) -> WrittenFile:
+    r = o["record"]
+    rec = FileRecord(rank=r["rank"], size=r["size"], header_size=r["header_size"],
+                     header_digest=r["header_digest"], chunks=tuple(r["chunks"]), digest=r["digest"])
+    shards = tuple((f, ShardRecord(offsets=tuple(s["offsets"]), lengths=tuple(s["lengths"]), file=s["file"],
+                                   key=s["key"], byte_range=tuple(s["byte_range"]), digest=s["digest"]))
+                   for f, s in o["shards"])
+    return WrittenFile(name=o["name"], record=rec, shards=shards)
+
+
+def _placement_from_json(p) -> Placement | None:
+    if p is None:
+        return None
+    return Placement(mesh_dims=tuple(p["mesh_dims"]), placements=tuple(tuple(x) for x in p["placements"]),
+                     stage=p["stage"])
+
+
+def _add_records(writer: CheckpointWriter, descs: list[dict]) -> None:
+    aliases: dict[str, str] = {}
+    views: dict[str, dict] = {}
+    values: dict[str, Any] = {}
+    per_rank: dict[str, dict[int, Any]] = {}
+    for d in descs:  # ranks in order: the lowest rank's copy of a replicated value wins
+        for f, t in d["aliases"].items():
+            if aliases.setdefault(f, t) != t:
+                raise StateDictError(f"{f}: ranks disagree on what it aliases")
+        for f, v in d["views"].items():
+            views.setdefault(f, v)
+        for f, v in d["values"].items():
+            values.setdefault(f, v)
+        for f, v in d["per_rank"].items():
+            per_rank.setdefault(f, {})[d["rank"]] = v
+    for f, t in aliases.items():
+        writer.add_alias(f, t)
+    for f, v in views.items():
+        vr = v["view"]
+        writer.add_view(f, v["dtype"], tuple(v["shape"]),
+                        ViewRecord(base=vr["base"], storage_offset=vr["storage_offset"], stride=tuple(vr["stride"])))
+    from .manifest import ValueRecord
+
+    for f, v in values.items():
+        writer.add_encoded_value(f, ValueRecord(value=v))
+    for f, m in per_rank.items():
+        writer.add_encoded_value(f, ValueRecord(per_rank=m))
+
+
+def _topology(mesh: Mapping[str, int] | None, world: int) -> Topology:
+    if mesh:
+        pairs = tuple((str(k), int(v)) for k, v in mesh.items())
+        if _prod(s for _, s in pairs) != world:
+            raise StateDictError(f"mesh {dict(pairs)} does not multiply to the world size {world}")
+        return Topology(world_size=world, mesh=pairs)
+    return Topology(world_size=world, mesh=(("world", world),))
+

@@ -1,0 +1,135 @@
+"""Distributed save and resharding load with real processes (gloo on 127.0.0.1)."""
+
+import os
+
+import pytest
+import torch
+
+import shardfmt
+from tests.distributed.harness import check_all_ok, launch
+from tests.distributed.model import specs, truth
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    paths = {"ckpt3d": str(root / "ck3d"), "fsdp": str(root / "fsdp")}
+    save3d = check_all_ok(launch("save3d", 8, {"path": paths["ckpt3d"]}, out_dir=str(root / "o3d")))
+    check_all_ok(launch("savefsdp", 4, {"path": paths["fsdp"]}, out_dir=str(root / "ofsdp")))
+    return paths, save3d, root
+
+
+def test_8_rank_pp_dp_tp_save_round_trips_on_the_same_topology(ckpts):
+    _, results, _ = ckpts
+    for r, res in enumerate(results):
+        assert res["bad"] == [], f"rank {r}: slices differ after same-topology load: {res['bad']}"
+        assert res["rng"] == {"rank": r, "seed": 1000 + r}, "PerRank value did not come back to its rank"
+        assert res["step"] == 100 and res["betas"] == [0.9, 0.95]
+
+
+def test_manifest_records_topology_placements_and_writes_replicas_once(ckpts):
+    paths, _, _ = ckpts
+    m = shardfmt.read_manifest(paths["ckpt3d"])
+    assert m.topology.world_size == 8
+    assert m.topology.mesh == (("pp", 2), ("dp", 2), ("tp", 2))
+    assert m.topology.coords(5) == (1, 0, 1)
+    wq = m.tensors["model.layers.3.attn.wq.weight"]
+    assert wq.placement.mesh_dims == ("tp",) and wq.placement.placements == (("shard", 0),)
+    assert wq.placement.stage == 1
+    assert len(wq.shards) == 2  # tp=2 slices; the dp replicas were written once
+    assert len(m.tensors["model.layers.0.norm.weight"].shards) == 1
+    data_bytes = sum(f.size - f.header_size for f in m.files.values())
+    assert data_bytes == sum(r.nbytes for r in m.tensors.values() if r.alias_of is None and r.view is None)
+    sizes = sorted(f.size for f in m.files.values())
+    assert len(sizes) == 8 and sizes[-1] < 1.5 * sizes[0], f"writes not balanced across ranks: {sizes}"
+    assert set(m.values["rng"].per_rank) == set(range(8))
+    f = shardfmt.read_manifest(paths["fsdp"])
+    st = f.tensors["extra.strided"]
+    assert st.placement.placements == (("strided_shard", 0, 2),)
+    assert len(st.shards) == 8  # 4 ranks x 2 disjoint ranges each
+    assert shardfmt.validate(paths["ckpt3d"], deep=True).ok
+    assert shardfmt.validate(paths["fsdp"], deep=True).ok
+
+
+@pytest.mark.parametrize("name", ["ckpt3d", "fsdp"])
+def test_load_into_one_process_full_tensors(ckpts, name):
+    paths, _, _ = ckpts
+    targets = {s.fqn: torch.empty(s.shape, dtype=s.dtype) for s in specs()}
+    shardfmt.load(targets, paths[name])
+    for s in specs():
+        assert torch.equal(targets[s.fqn].view(torch.uint8) if s.shape else targets[s.fqn],
+                           truth(s.fqn, s.shape, s.dtype).view(torch.uint8) if s.shape else truth(s.fqn, s.shape, s.dtype)), s.fqn
+
+
+def _check_jobs(results):
+    for r in check_all_ok(results):
+        for label, value in r.items():
+            if label == "ok":
+                continue
+            bad, count = value
+            assert count > 0 and bad == [], f"{label}: wrong slices {bad}"
+
+
+def test_load_on_2_ranks_tp2_pp2_and_dtensor(ckpts):
+    paths, _, root = ckpts
+    _check_jobs(launch("load2", 2, paths, out_dir=str(root / "l2")))
+
+
+def test_load_on_3_ranks_uneven(ckpts):
+    paths, _, root = ckpts
+    _check_jobs(launch("load3", 3, paths, out_dir=str(root / "l3")))
+
+
+def test_load_on_4_ranks_tp4_grid_and_strided(ckpts):
+    paths, _, root = ckpts
+    _check_jobs(launch("load4", 4, paths, out_dir=str(root / "l4")))
+
+
+def _faulty(root, name, env, timeout=20, wait_for=None):
+    path = f"faulty://{root}/{name}"
+    results = launch("faulty_save", 2, {"path": path, "timeout": timeout}, out_dir=str(root / f"o_{name}"),
+                     env=env, timeout=90, wait_for=wait_for)
+    return results, str(root / name)
+
+
+def _previous_loads(root):
+    out = {"w": torch.empty(128, 64), "b": torch.empty(8)}
+    shardfmt.load(out, str(root / "good"))
+    assert torch.equal(out["w"][64:], torch.full((64, 64), 1.0))
+
+
+@pytest.fixture(scope="module")
+def fault_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    results, _ = _faulty(root, "good", {})
+    assert all(r.result and r.result["raised"] is None for r in results), [r.result for r in results]
+    return root
+
+
+def test_enospc_on_one_rank_fails_every_rank_and_commits_nothing(fault_root):
+    results, path = _faulty(fault_root, "enospc", {"FAULTY_RANK": "1", "FAULTY_AFTER": "2", "FAULTY_MODE": "enospc"})
+    for r in results:
+        assert r.result and r.result["raised"] == "CommitError", r
+        assert "rank 1" in r.result["message"] and "No space left" in r.result["message"]
+    assert not os.path.exists(os.path.join(path, "COMMITTED"))
+    assert not os.path.exists(path), "the failed save left files behind"
+    _previous_loads(fault_root)
+
+
+@pytest.mark.parametrize("mode", ["kill", "stop"])
+def test_rank_killed_or_frozen_mid_save(fault_root, mode):
+    results, path = _faulty(fault_root, f"dead_{mode}", {"FAULTY_RANK": "1", "FAULTY_AFTER": "1",
+                                                         "FAULTY_MODE": mode}, timeout=8, wait_for=[0])
+    r0 = results[0]
+    assert r0.result and r0.result["raised"] == "CommitError", r0
+    assert results[1].result is None  # the dead/frozen rank never reported
+    assert r0.result["seconds"] < 8 + 15, f"survivor took {r0.result['seconds']:.0f}s to give up (timeout 8s)"
+    assert not os.path.exists(os.path.join(path, "COMMITTED"))
+    from shardfmt.cli import list_checkpoints
+
+    rows = {r["name"]: r["status"] for r in list_checkpoints(str(fault_root))}
+    assert rows["good"] == "committed"
+    assert all(v != "committed" for k, v in rows.items() if k != "good")
+    _previous_loads(fault_root)

@@ -1,0 +1,191 @@
+"""Worker jobs for the multi-process tests: ``python -m tests.distributed.workers JOB RANK WORLD PORT ARGS``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import shardfmt
+from reshard.topology import Mesh
+from tests.distributed.model import check_state, rank_state, specs, truth
+
+JOBS = {}
+
+
+def job(fn):
+    JOBS[fn.__name__] = fn
+    return fn
+
+
+def _dtensor_targets(mesh, placements_for, fill=7.0):
+    """DTensor targets on ``mesh`` for every spec (all stages), distributed from a sentinel."""
+    from torch.distributed.tensor import distribute_tensor
+
+    out = {}
+    for s in specs():
+        full = torch.full(s.shape, fill).to(s.dtype) if s.shape else torch.tensor(fill).to(s.dtype)
+        out[s.fqn] = distribute_tensor(full, mesh, placements_for(s))
+    return out
+
+
+def _check_dtensors(state) -> list[str]:
+    bad = []
+    by_name = {s.fqn: s for s in specs()}
+    for fqn, v in state.items():
+        s = by_name[fqn]
+        full = v.full_tensor()  # torch's own redistribution: an independent check of the layout
+        if not torch.equal(full.view(torch.uint8) if full.dim() else full, truth(fqn, s.shape, s.dtype).view(torch.uint8)
+                           if full.dim() else truth(fqn, s.shape, s.dtype)):
+            bad.append(fqn)
+    return bad
+
+
+@job
+def save3d(rank, world, args):
+    mesh = Mesh.parse("pp=2,dp=2,tp=2")
+    state = rank_state(mesh, rank)
+    state["optim.param_groups"] = [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}]
+    state["step"] = 100
+    state["rng"] = shardfmt.PerRank({"rank": rank, "seed": 1000 + rank})
+    shardfmt.save(state, args["path"], step=100, mesh={"pp": 2, "dp": 2, "tp": 2}, check_replicas=True,
+                  timeout=dt.timedelta(seconds=60))
+    # same-topology load of what we just saved
+    back = rank_state(mesh, rank, empty=True)
+    back.update({"optim.param_groups": None, "step": None, "rng": shardfmt.PerRank(None)})
+    rep = shardfmt.load(back, args["path"])
+    bad = check_state(back)
+    needed = sum(v.local.numel() * v.local.element_size() for k, v in back.items()
+                 if isinstance(v, shardfmt.ShardedTensor))
+    return {"bad": bad, "rng": back["rng"].value, "step": back["step"],
+            "betas": list(back["optim.param_groups"][0]["betas"]),
+            "bytes_read": rep.bytes_read, "needed": needed}
+
+
+@job
+def savefsdp(rank, world, args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    state = {}
+    for s in specs():
+        t = truth(s.fqn, s.shape, s.dtype)
+        place = [Shard(0)] if s.shape else [Replicate()]
+        state[s.fqn] = distribute_tensor(t, mesh, place)
+    # disjoint ranges per rank: FSDP2-over-TP's strided sharding on a 1-d mesh
+    # (split with torch's own _StridedShard code, so the layout is torch's, not ours)
+    from torch.distributed.tensor import DTensor
+
+    full = truth("extra.strided", (50, 8))
+    placement = _StridedShard(0, split_factor=2)
+    pieces, _ = placement._split_tensor(full, world, with_padding=False, contiguous=True)
+    state["extra.strided"] = DTensor.from_local(pieces[rank], mesh, [placement], shape=full.shape,
+                                                stride=full.stride(), run_check=False)
+    shardfmt.save(state, args["path"], step=5, mesh={"dp": world}, timeout=dt.timedelta(seconds=60))
+    return {"bad": []}
+
+
+def _load_ckpt3d_sharded(mesh, rank, path, split="tp"):
+    targets = rank_state(mesh, rank, split=split, empty=True)
+    shardfmt.load(targets, path, strict=True)
+    return check_state(targets), len(targets)
+
+
+@job
+def load2(rank, world, args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = {}
+    out["tp2"] = _load_ckpt3d_sharded(Mesh.parse("tp=2"), rank, args["ckpt3d"])
+    out["pp2"] = _load_ckpt3d_sharded(Mesh.parse("pp=2"), rank, args["ckpt3d"])
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    for name in ("ckpt3d", "fsdp"):
+        targets = _dtensor_targets(mesh, lambda s: [Shard(0)] if s.shape else [Replicate()])
+        shardfmt.load(targets, args[name], strict=True)
+        out[f"dtensor_dp2_{name}"] = (_check_dtensors(targets), len(targets))
+    return out
+
+
+@job
+def load3(rank, world, args):
+    out = {"rows3_ckpt3d": _load_ckpt3d_sharded(Mesh.parse("x=3"), rank, args["ckpt3d"], split="rows"),
+           "rows3_fsdp": _load_ckpt3d_sharded(Mesh.parse("x=3"), rank, args["fsdp"], split="rows")}
+    targets = {"extra.strided": shardfmt.ShardedTensor(torch.zeros(17, 8) if rank < 2 else torch.zeros(16, 8),
+                                                       (50, 8), (17 * rank, 0))}
+    shardfmt.load(targets, args["fsdp"], strict=False)
+    want = truth("extra.strided", (50, 8))[17 * rank: 17 * rank + targets["extra.strided"].local.shape[0]]
+    out["strided_rows3"] = ([] if torch.equal(targets["extra.strided"].local, want) else ["extra.strided"], 1)
+    return out
+
+
+@job
+def load4(rank, world, args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out = {"tp4": _load_ckpt3d_sharded(Mesh.parse("tp=4"), rank, args["ckpt3d"])}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+
+    def grid(s):
+        if len(s.shape) >= 2:
+            return [Shard(0), Shard(1)]
+        return [Shard(0), Replicate()] if s.shape else [Replicate(), Replicate()]
+
+    def strided(s):
+        return [_StridedShard(0, split_factor=2), Shard(0)] if s.shape else [Replicate(), Replicate()]
+
+    for name in ("ckpt3d", "fsdp"):
+        for label, fn in (("grid", grid), ("strided", strided)):
+            targets = _dtensor_targets(mesh, fn)
+            shardfmt.load(targets, args[name], strict=True)
+            out[f"{label}_{name}"] = (_check_dtensors(targets), len(targets))
+    return out
+
+
+@job
+def faulty_save(rank, world, args):
+    from tests.distributed import faulty_fs
+
+    faulty_fs.register()
+    os.environ["RANK"] = str(rank)
+    state = {"w": shardfmt.ShardedTensor(torch.full((64, 64), float(rank)), (128, 64), (64 * rank, 0)),
+             "b": torch.ones(8)}
+    t0 = time.monotonic()
+    try:
+        shardfmt.save(state, args["path"], timeout=dt.timedelta(seconds=args.get("timeout", 20)))
+    except shardfmt.ShardfmtError as e:
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
+def main() -> None:
+    name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    args = json.loads(raw)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=dt.timedelta(seconds=args.get("pg_timeout", 120)))
+    try:
+        result = {"ok": True, **JOBS[name](rank, world, args)}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    with open(os.path.join(args["out_dir"], f"rank_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    os._exit(0 if result["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
