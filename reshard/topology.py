@@ -282,3 +282,44 @@ def default_stage(fqn: str, num_layers: int, pp: int) -> int | None:
         if lo <= i < hi:
             return s
     raise TopologyError(f"{fqn}: no stage holds layer {i}")
+
+
+def layout_from_record(rec) -> Layout | None:
+    """Return the Layout a manifest ``Placement`` record describes (None: none recorded)."""
+    if rec is None:
+        return None
+    return Layout(tuple(rec.mesh_dims), tuple(placement_from_json(list(p)) for p in rec.placements),
+                  stage=rec.stage)
+
+
+def count_layers(fqns) -> int:
+    """Return 1 + the highest ``layers.<i>`` index among ``fqns`` (0 when none)."""
+    top = -1
+    for f in fqns:
+        m = _LAYER_RE.search(f)
+        if m:
+            top = max(top, int(m.group(1)))
+    return top + 1
+
+
+def retarget(fqn: str, saved: Layout | None, mesh: Mesh, *, num_layers: int) -> Layout:
+    """Lay a tensor out on a new mesh the way it was laid out before.
+
+    Placements over mesh dims the new mesh also has are kept (their sizes change); those
+    over dims it lacks are dropped (the tensor is whole along them); a pipeline stage is
+    re-derived from ``layers.<i>`` naming when the new mesh has ``pp``.
+    """
+    names = set(mesh.names)
+    dims: list[str] = []
+    places: list[PlacementKind] = []
+    if saved is not None:
+        for name, p in zip(saved.mesh_dims, saved.placements):
+            if name in names and not isinstance(p, Replicate):
+                dims.append(name)
+                places.append(p)
+    stage = None
+    if "pp" in names and num_layers:
+        stage = default_stage(fqn, num_layers, mesh.size("pp"))
+        if stage is None and saved is not None and saved.stage is not None:
+            stage = min(saved.stage, mesh.size("pp") - 1)
+    return Layout(tuple(dims), tuple(places), stage=stage)

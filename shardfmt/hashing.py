@@ -11,6 +11,7 @@ Digest strings read ``"xxh3-128:<32 hex digits>"``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import xxhash
@@ -25,10 +26,13 @@ def format_digest(raw: bytes) -> str:
     return _PREFIX + raw.hex()
 
 
+_DIGEST_RE = re.compile(re.escape(_PREFIX) + "[0-9a-f]{32}")
+
+
 def parse_digest(text: str) -> bytes:
     """Return the raw 16 bytes of a digest string; raise ValueError if malformed."""
-    if not isinstance(text, str) or not text.startswith(_PREFIX) or len(text) != len(_PREFIX) + 32:
-        raise ValueError(f"not a {ALGORITHM} digest: {text!r}")
+    if not isinstance(text, str) or not _DIGEST_RE.fullmatch(text):
+        raise ValueError(f"not a {ALGORITHM} digest (32 lowercase hex digits): {str(text)[:80]!r}")
     return bytes.fromhex(text[len(_PREFIX):])
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -148,7 +149,7 @@ def _decode_tag(tag: str, body: Any, where: str) -> Any:
             raise EncodingError(f"{where}: bad $float {body!r}")
         return float(body)
     if tag == "$int":
-        if not isinstance(body, str) or not body.lstrip("-").isdigit() or len(body) > 4300:
+        if not isinstance(body, str) or len(body) > 4300 or not re.fullmatch(r"-?(0|[1-9][0-9]*)", body):
             raise EncodingError(f"{where}: bad $int {body!r}")
         return int(body)
     if tag == "$bytes":
@@ -158,7 +159,8 @@ def _decode_tag(tag: str, body: Any, where: str) -> Any:
             raise EncodingError(f"{where}: $ndarray needs dtype, shape and data")
         dt = _np_dtype(body["dtype"], where)
         shape = body["shape"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or len(shape) > 64 or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape):
             raise EncodingError(f"{where}: bad $ndarray shape {shape!r}")
         raw = _b64(body["data"], where)
         if len(raw) != math.prod(shape) * dt.itemsize:

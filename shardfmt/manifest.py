@@ -29,10 +29,12 @@ DATA_DIR = "data"
 MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller
 MAX_COMMITTED_BYTES = 1 << 16
 MAX_NDIM = 64
+MAX_DEPTH = 64  # JSON nesting (metadata and values included)
 MAX_DIM = 1 << 53  # JSON-safe integer range
 
 _FILE_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
-_MESH_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+_MESH_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_RANK_KEY_RE = re.compile(r"0|[1-9][0-9]{0,7}")
 
 
 def rank_file_name(rank: int, part: int | None = None) -> str:
@@ -323,7 +325,7 @@ def _dims(v: Any, where: str) -> tuple[int, ...]:
 def parse_file_name(v: Any, where: str) -> str:
     """Accept only ``data/<name>.safetensors``: no absolute paths, no ``..``, no odd bytes."""
     s = _str(v, where)
-    if not _FILE_RE.match(s) or ".." in s:
+    if not _FILE_RE.fullmatch(s) or ".." in s:
         raise _fail(where, f"file path {s!r} is not of the form data/<name>.safetensors")
     return s
 
@@ -350,6 +352,9 @@ def _parse_shard(v: Any, where: str, *, ndim: int, shape: tuple[int, ...], isz: 
     want = math.prod(lengths) * isz
     if end - start != want:
         raise _fail(where + ".byte_range", f"[{start}, {end}) holds {end - start} bytes, the slice needs {want}")
+    if start < files[fname].header_size:
+        raise _fail(where + ".byte_range", f"[{start}, {end}) overlaps the {files[fname].header_size}-byte "
+                    f"header of {fname}")
     if end > files[fname].size:
         raise _fail(where + ".byte_range", f"[{start}, {end}) is past the end of {fname} ({files[fname].size} bytes)")
     return ShardRecord(
@@ -372,8 +377,12 @@ def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
         if p == ["replicate"]:
             places.append(("replicate",))
         elif len(p) == 2 and p[0] == "shard":
-            places.append(("shard", _int(p[1], w + "[1]", hi=max(ndim - 1, 0))))
+            if ndim == 0:
+                raise _fail(w, "a 0-d tensor cannot be sharded")
+            places.append(("shard", _int(p[1], w + "[1]", hi=ndim - 1)))
         elif len(p) == 3 and p[0] == "strided_shard":
+            if ndim == 0:
+                raise _fail(w, "a 0-d tensor cannot be sharded")
             places.append(("strided_shard", _int(p[1], w + "[1]", hi=max(ndim - 1, 0)),
                            _int(p[2], w + "[2]", lo=1, hi=1 << 24)))
         else:
@@ -426,7 +435,7 @@ def _parse_file(v: Any, where: str) -> FileRecord:
     header_size = _int(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
     if header_size > size:
         raise _fail(where + ".header_size", f"{header_size} exceeds the file size {size}")
-    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=1 << 24), size=size,
+    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=(1 << 24) - 1), size=size,
                       header_size=header_size, header_digest=_digest(o["header_digest"], where + ".header_digest"),
                       chunks=chunks, digest=_digest(o["digest"], where + ".digest"))
 
@@ -440,7 +449,7 @@ def _parse_topology(v: Any, where: str) -> Topology:
         do = _obj(d, f"{where}.mesh[{i}]")
         _keys(do, f"{where}.mesh[{i}]", {"name", "size"})
         name = _str(do["name"], f"{where}.mesh[{i}].name", max_len=64)
-        if not _MESH_NAME_RE.match(name):
+        if not _MESH_NAME_RE.fullmatch(name):
             raise _fail(f"{where}.mesh[{i}].name", f"bad mesh dim name {name!r}")
         mesh.append((name, _int(do["size"], f"{where}.mesh[{i}].size", lo=1, hi=1 << 24)))
     if mesh and math.prod(s for _, s in mesh) != ws:
@@ -463,8 +472,8 @@ def _parse_value(v: Any, where: str) -> ValueRecord:
         pr = _obj(o["per_rank"], where + ".per_rank")
         out = {}
         for k, val in pr.items():
-            if not k.isdigit():
-                raise _fail(where + ".per_rank", f"rank key {k!r} is not a non-negative integer")
+            if not _RANK_KEY_RE.fullmatch(k):
+                raise _fail(where + ".per_rank", f"rank key {k!r} is not a rank number")
             out[int(k)] = val
         return ValueRecord(per_rank=out)
     raise _fail(where, "expected {'value': ...} or {'per_rank': {...}}")
@@ -483,6 +492,29 @@ def parse_manifest(raw: bytes, *, source: str = "manifest.json") -> Manifest:
 
 def manifest_from_obj(obj: Any, *, source: str = "manifest.json") -> Manifest:
     """Check a decoded manifest object, migrating older versions, and return the record."""
+    obj = migrate(obj, source=source)
+    try:
+        return _manifest_fields(obj)
+    except ManifestError as e:
+        raise ManifestError(f"{source}: {e}") from None
+
+
+def check_depth(obj: Any, *, source: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` (iteratively: no recursion to exhaust)."""
+    stack = [(obj, 1)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            raise ManifestError(f"{source}: JSON nested deeper than {limit} levels")
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+
+
+def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
+    """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions)."""
+    check_depth(obj, source=source)
     if not isinstance(obj, dict):
         raise ManifestError(f"{source}: top level must be an object")
     if obj.get("format") != FORMAT_NAME:
@@ -500,11 +532,11 @@ def manifest_from_obj(obj: Any, *, source: str = "manifest.json") -> Manifest:
         if mig is None:
             raise FormatVersionError(f"{source}: format version {version} has no migration to {FORMAT_VERSION}")
         obj = mig(dict(obj))
-        version = obj.get("format_version")
-    try:
-        return _manifest_fields(obj)
-    except ManifestError as e:
-        raise ManifestError(f"{source}: {e}") from None
+        new = obj.get("format_version") if isinstance(obj, dict) else None
+        if new != version + 1:
+            raise FormatVersionError(f"{source}: migration from version {version} produced version {new!r}")
+        version = new
+    return obj
 
 
 def _manifest_fields(o: dict) -> Manifest:
@@ -544,16 +576,30 @@ def _manifest_fields(o: dict) -> Manifest:
             extent = rec.view.storage_offset + sum((n - 1) * s for n, s in zip(rec.shape, rec.view.stride)) + 1
             if math.prod(rec.shape) and extent > base.shape[0]:
                 raise _fail(f"tensors[{name!r}].view", f"reaches element {extent - 1} of a {base.shape[0]}-element storage")
+    for name, rec in storages.items():
+        if rec.alias_of is not None or rec.view is not None or len(rec.shape) != 1:
+            raise _fail(f"storages[{name!r}]", "a storage must be a 1-D tensor stored in shards")
+    value_names = _obj(o["values"], "values").keys()
+    clash = (tensors.keys() & storages.keys()) | (tensors.keys() & value_names) | (storages.keys() & value_names)
+    if clash:
+        raise _fail("tensors/storages/values", f"names used twice: {sorted(clash)[:5]}")
     step = o["step"]
     if step is not None:
         step = _int(step, "step", hi=1 << 62)
     values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]")
               for k, v in _obj(o["values"], "values").items()}
+    topology = _parse_topology(o["topology"], "topology")
+    for name, f in files.items():
+        if f.rank >= topology.world_size:
+            raise _fail(f"files[{name!r}].rank", f"rank {f.rank} >= world size {topology.world_size}")
+    for name, v in values.items():
+        if v.per_rank is not None and any(r >= topology.world_size for r in v.per_rank):
+            raise _fail(f"values[{name!r}].per_rank", f"a rank >= world size {topology.world_size}")
     return Manifest(
         format_version=o["format_version"], save_id=_str(o["save_id"], "save_id", max_len=128),
         step=step, created_at=_str(o["created_at"], "created_at", max_len=64),
         writer={k: v for k, v in writer.items()}, chunk_size=chunk_size, metadata=o["metadata"],
-        topology=_parse_topology(o["topology"], "topology"), files=files, tensors=tensors,
+        topology=topology, files=files, tensors=tensors,
         storages=storages, values=values,
     )
 

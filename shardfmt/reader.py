@@ -23,7 +23,7 @@ from .manifest import (
     parse_commit,
     parse_manifest,
 )
-from .safetensors_io import PREFIX_BYTES, decode_header, header_length
+from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
 from .storage import Storage, get_storage
 
 
@@ -118,12 +118,18 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
                                  f"manifest says {frec.header_digest}")
         if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != frec.header_size:
             raise HeaderError(f"{name}: header length disagrees with the manifest's header_size")
-        entries = decode_header(bytes(buf), source=name, file_size=frec.size)
+        header = decode_header(bytes(buf), source=name, file_size=frec.size)
+        origins = decode_origins(header.metadata, source=name)
         for fqn, shard in by_file[name]:
-            e = entries.get(shard.key)
+            e = header.entries.get(shard.key)
             rec = manifest.tensor(fqn)
             if not shard_key_ok(fqn, shard) or e is None:
                 raise HeaderError(f"{name}: tensor {fqn!r}: key {shard.key!r} is not this tensor's entry")
+            o = origins.get(shard.key)
+            if o is None or (o.fqn, o.offsets, o.global_shape) != (fqn, tuple(shard.offsets), tuple(rec.shape)):
+                raise HeaderError(f"{name}: tensor {fqn!r}: the file places key {shard.key!r} at "
+                                  f"{None if o is None else (o.fqn, list(o.offsets), list(o.global_shape))}, "
+                                  f"the manifest at offsets {list(shard.offsets)} of shape {list(rec.shape)}")
             if (e.dtype, e.shape, (e.start, e.end)) != (rec.dtype, tuple(shard.lengths), tuple(shard.byte_range)):
                 raise HeaderError(f"{name}: tensor {fqn!r}: header says {e.dtype} {list(e.shape)} at "
                                   f"[{e.start}, {e.end}), manifest says {rec.dtype} {list(shard.lengths)} at "

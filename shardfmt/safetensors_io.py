@@ -89,7 +89,47 @@ def header_length(prefix: bytes, *, source: str, file_size: int | None = None) -
     return n
 
 
-def decode_header(raw: bytes, *, source: str, file_size: int) -> dict[str, HeaderEntry]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardOrigin:
+    """Where a key's data sits in its global tensor (recorded in ``__metadata__``)."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+def encode_origins(origins: Mapping[str, ShardOrigin]) -> str:
+    """Return the ``__metadata__["shards"]`` string: key -> fqn, offsets, global shape."""
+    return orjson.dumps({k: {"fqn": o.fqn, "offsets": list(o.offsets), "global_shape": list(o.global_shape)}
+                         for k, o in origins.items()}, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def decode_origins(metadata: Mapping[str, str], *, source: str) -> dict[str, ShardOrigin]:
+    """Parse ``__metadata__["shards"]``; raise HeaderError if missing or malformed."""
+    raw = metadata.get("shards")
+    if raw is None:
+        raise HeaderError(f"{source}: __metadata__ has no 'shards' entry (not a shardfmt data file?)")
+    try:
+        obj = orjson.loads(raw)
+        out = {}
+        for k, o in obj.items():
+            fqn, offs, shape = o["fqn"], o["offsets"], o["global_shape"]
+            if not isinstance(fqn, str) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                   for x in list(offs) + list(shape)):
+                raise TypeError
+            out[k] = ShardOrigin(fqn=fqn, offsets=tuple(offs), global_shape=tuple(shape))
+        return out
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
+        raise HeaderError(f"{source}: __metadata__['shards'] is malformed") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodedHeader:
+    entries: dict[str, HeaderEntry]
+    metadata: dict[str, str]
+
+
+def decode_header(raw: bytes, *, source: str, file_size: int) -> DecodedHeader:
     """Decode a header (``raw`` = prefix + JSON) and check it against safetensors' rules."""
     n = header_length(raw, source=source, file_size=file_size)
     js = raw[PREFIX_BYTES : PREFIX_BYTES + n]
@@ -103,10 +143,12 @@ def decode_header(raw: bytes, *, source: str, file_size: int) -> dict[str, Heade
         raise HeaderError(f"{source}: header is not a JSON object")
     data_start = PREFIX_BYTES + n
     out: dict[str, HeaderEntry] = {}
+    metadata: dict[str, str] = {}
     for key, info in body.items():
         if key == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise HeaderError(f"{source}: __metadata__ must map strings to strings")
+            metadata = info
             continue
         where = f"{source}: tensor {key!r}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -133,4 +175,4 @@ def decode_header(raw: bytes, *, source: str, file_size: int) -> dict[str, Heade
         pos = e.end
     if pos != file_size:
         raise HeaderError(f"{source}: data ends at byte {pos} but the file has {file_size} bytes")
-    return out
+    return DecodedHeader(entries=out, metadata=metadata)

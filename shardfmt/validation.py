@@ -22,9 +22,9 @@ from reshard.geometry import Box, tiling_problems
 
 from . import hashing
 from .errors import ShardfmtError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj
+from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
-from .safetensors_io import PREFIX_BYTES, decode_header, header_length
+from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
 from .storage import Storage, get_storage
 
 READ_PIECE = 16 << 20
@@ -131,10 +131,13 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     try:
         manifest = manifest_from_obj(obj, source=MANIFEST_NAME)
     except ShardfmtError as e:
-        problems.extend(_schema_problems(obj) if isinstance(obj, dict) else [])
+        try:
+            problems.extend(_schema_problems(migrate(obj)) if isinstance(obj, dict) else [])
+        except ShardfmtError:
+            pass  # the parser's own finding (below) names the problem
         problems.append(Problem(code="manifest_field", message=str(e), file=MANIFEST_NAME))
         return done()
-    problems.extend(_schema_problems(obj))
+    problems.extend(_schema_problems(migrate(obj)))
     if commit is not None and manifest.save_id != commit.save_id:
         problems.append(Problem(code="save_id", file=COMMITTED_NAME,
                                 message=f"save_id {commit.save_id!r} != manifest save_id {manifest.save_id!r}"))
@@ -163,7 +166,7 @@ def _check_files(storage: Storage, path: str, m: Manifest, problems: list[Proble
     for table in (m.tensors, m.storages):
         for fqn, rec in table.items():
             for s in rec.shards:
-                by_file.setdefault(s.file, []).append((fqn, rec.dtype, s))
+                by_file.setdefault(s.file, []).append((fqn, rec.dtype, tuple(rec.shape), s))
     for name, frec in m.files.items():
         if hashing.combine(frec.chunks) != frec.digest:
             problems.append(Problem(code="file_digest", file=name,
@@ -200,7 +203,9 @@ def _check_header(reader, name: str, frec, shards: list, problems: list[Problem]
     try:
         n = header_length(bytes(prefix), source=name, file_size=size)
         raw = bytes(prefix) + bytes(_read(reader, PREFIX_BYTES, n))
-        entries = decode_header(raw, source=name, file_size=size)
+        header = decode_header(raw, source=name, file_size=size)
+        entries = header.entries
+        origins = decode_origins(header.metadata, source=name)
     except ShardfmtError as e:
         problems.append(Problem(code="header", file=name, message=str(e)))
         return
@@ -209,12 +214,18 @@ def _check_header(reader, name: str, frec, shards: list, problems: list[Problem]
                                 message=f"header ({len(raw)} bytes) does not match the manifest's "
                                         f"header_size {frec.header_size} / header_digest"))
     listed = set()
-    for fqn, dtype, s in shards:
+    for fqn, dtype, shape, s in shards:
         listed.add(s.key)
         e = entries.get(s.key)
         if not shard_key_ok(fqn, s):
             problems.append(Problem(code="header", file=name, tensor=fqn,
                                     message=f"key {s.key!r} is not a key this tensor's shard may have"))
+        o = origins.get(s.key)
+        if o is None or (o.fqn, o.offsets, o.global_shape) != (fqn, tuple(s.offsets), shape):
+            problems.append(Problem(code="header", file=name, tensor=fqn, byte_range=s.byte_range,
+                                    message=f"the file places key {s.key!r} at "
+                                            f"{None if o is None else (o.fqn, list(o.offsets), list(o.global_shape))}, "
+                                            f"the manifest at offsets {list(s.offsets)} of shape {list(shape)}"))
         if e is None:
             problems.append(Problem(code="header", file=name, tensor=fqn,
                                     message=f"key {s.key!r} is not in the safetensors header"))

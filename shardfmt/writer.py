@@ -33,7 +33,7 @@ from .manifest import (
     ViewRecord,
     rank_file_name,
 )
-from .safetensors_io import encode_header
+from .safetensors_io import ShardOrigin, encode_header, encode_origins
 from .storage import Storage, get_storage
 from .tensor_bytes import byte_pieces
 
@@ -106,10 +106,15 @@ def write_shard_file(
     """Stream ``shards`` (in the given order) into ``directory/name`` and hash while writing."""
     keys = _file_keys(shards)
     if len(set(keys)) != len(keys):
-        raise StateDictError(f"{name}: two shards of one tensor at the same offsets")
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise StateDictError(f"{name}: safetensors key(s) {dup[:3]} would name two entries (two shards of one "
+                             "tensor at the same offsets, or a tensor whose name looks like 'fqn@offsets')")
     header = encode_header(
         [(k, dtype_code(s.data.dtype, what=s.fqn), tuple(s.data.shape)) for k, s in zip(keys, shards)],
-        metadata={"format": "shardfmt", "rank": str(rank)},
+        metadata={"format": "shardfmt", "rank": str(rank),
+                  "shards": encode_origins({k: ShardOrigin(fqn=s.fqn, offsets=tuple(s.offsets),
+                                                           global_shape=tuple(s.global_shape))
+                                            for k, s in zip(keys, shards)})},
     )
     hasher = hashing.ChunkHasher(chunk_size)
     path = storage.join(directory, name)
@@ -175,6 +180,8 @@ class CheckpointWriter:
         sync: bool = True,
         on_step: _commit.StepHook | None = None,
     ) -> None:
+        if not 4096 <= chunk_size <= 1 << 30:
+            raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
         if storage is None:
             storage, path = get_storage(path, storage_options)
         self.storage = storage

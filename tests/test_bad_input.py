@@ -76,7 +76,7 @@ def test_path_traversal_is_refused(saved, bad):
     ("offsets", [2**63, 0], "integer"),
     ("offsets", [40, 0], "outside the shape"),
     ("lengths", [33, 64], "holds"),
-    ("byte_range", [0, 8192], None),
+    ("byte_range", [0, 8192], "overlaps the"),
     ("byte_range", [10**9, 10**9 + 8192], "past the end"),
     ("offsets", [0.5, 0], "integer"),
 ])
@@ -86,9 +86,7 @@ def test_bad_shard_geometry_is_refused(saved, field, value, match):
     def mutate(o):
         shard0(o)[field] = value
     recommit(path, mutate)
-    # a range of the right length that points at the header: only the header check catches it
-    err = shardfmt.ManifestError if match else shardfmt.HeaderError
-    with pytest.raises(err, match=match):
+    with pytest.raises(shardfmt.ManifestError, match=match):
         load_w(path)
     assert not shardfmt.validate(path).ok
 
