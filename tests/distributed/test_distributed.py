@@ -133,3 +133,20 @@ def test_rank_killed_or_frozen_mid_save(fault_root, mode):
     assert rows["good"] == "committed"
     assert all(v != "committed" for k, v in rows.items() if k != "good")
     _previous_loads(fault_root)
+
+
+def test_reshard_plan_follows_saved_placements(ckpts, capsys):
+    import orjson
+
+    from reshard.cli import main
+
+    paths, _, _ = ckpts
+    assert main(["plan", paths["ckpt3d"], "--mesh", "tp=4", "--rank", "1", "--json", "--no-verify",
+                 "--max-gap", "0"]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    wq = [t for t in out["targets"] if t["tensor"] == "model.layers.0.attn.wq.weight"]
+    assert wq == [{"index": wq[0]["index"], "tensor": "model.layers.0.attn.wq.weight",
+                   "offsets": [8, 0], "lengths": [8, 32]}]  # column-parallel: rows 8..15 of 32
+    wo = [t for t in out["targets"] if t["tensor"] == "model.layers.0.attn.wo.weight"]
+    assert wo[0]["offsets"] == [0, 8] and wo[0]["lengths"] == [32, 8]  # row-parallel: columns
+    assert out["bytes_to_read"] == out["needed_bytes"]

@@ -1,0 +1,78 @@
+"""Bytes read, counted at the storage layer: a rank reads only what it needs."""
+
+import pytest
+import torch
+
+import shardfmt
+from shardfmt import ShardedTensor
+
+CHUNK = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bytes") / "ck")
+    w = torch.randn(4096, 1024)  # 16 MiB
+    shardfmt.save({"w": w, "small": torch.ones(10)}, path)
+    return path, w
+
+
+def _rounded(nbytes_start, nbytes_end):
+    lo = (nbytes_start // CHUNK) * CHUNK
+    hi = -(-nbytes_end // CHUNK) * CHUNK
+    return hi - lo
+
+
+def test_row_slice_reads_at_most_1_1x_its_chunk_rounded_bytes(big):
+    path, w = big
+    m = shardfmt.read_manifest(path)
+    (shard,) = m.tensors["w"].shards
+    for k in range(8):
+        local = torch.empty(512, 1024)
+        rep = shardfmt.load({"w": ShardedTensor(local, (4096, 1024), (512 * k, 0))}, path, strict=False)
+        assert torch.equal(local, w[512 * k: 512 * (k + 1)])
+        need = 512 * 1024 * 4
+        start = shard.byte_range[0] + k * need
+        bound = _rounded(start, start + need)
+        header = m.files[shard.file].header_size
+        assert rep.bytes_needed == need
+        assert rep.bytes_read <= 1.1 * bound + header, (k, rep.bytes_read, bound)
+
+
+def test_column_slice_without_verify_reads_exactly_what_it_needs(big):
+    path, w = big
+    local = torch.empty(4096, 128)
+    rep = shardfmt.load({"w": ShardedTensor(local, (4096, 1024), (0, 256))}, path, strict=False,
+                        verify=False, max_gap=0)
+    assert torch.equal(local, w[:, 256:384])
+    assert rep.bytes_read == rep.bytes_needed == 4096 * 128 * 4
+
+
+def test_column_slice_default_gap_is_a_speed_knob_not_correctness(big):
+    path, w = big
+    local = torch.empty(4096, 128)
+    rep = shardfmt.load({"w": ShardedTensor(local, (4096, 1024), (0, 256))}, path, strict=False, verify=False)
+    assert torch.equal(local, w[:, 256:384])
+    assert rep.bytes_read >= rep.bytes_needed
+
+
+def test_whole_load_reads_the_file_about_once(big):
+    path, w = big
+    out = {"w": torch.empty(4096, 1024), "small": torch.empty(10)}
+    rep = shardfmt.load(out, path)
+    size = sum(f.size for f in shardfmt.read_manifest(path).files.values())
+    assert torch.equal(out["w"], w)
+    assert rep.bytes_read <= size + 64 * 1024  # data once, plus the header check
+
+
+def test_reshard_plan_cli_prints_reads_without_reading_data(big, capsys):
+    import orjson
+
+    from reshard.cli import main
+
+    path, _ = big
+    assert main(["plan", path, "--mesh", "tp=4", "--rank", "1", "--json"]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    assert out["needed_bytes"] == 4096 * 1024 * 4 + 40  # no placement recorded: every rank takes all
+    assert main(["plan", path, "--mesh", "tp=4", "--rank", "9"]) == 2
+    assert main(["plan", path + "-missing", "--mesh", "tp=4", "--rank", "0"]) == 2
