@@ -24,7 +24,7 @@ from reshard.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan
 from . import hashing, jsonvalue
 from .dtypes import dtype_code, torch_dtype
 from .errors import DTypeError, MissingKeyError, ShapeError, StateDictError
-from .manifest import Manifest, ViewRecord
+from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
 from .writer import CheckpointWriter, ShardData
@@ -52,6 +52,8 @@ def _check_saveable(fqn: str, t: torch.Tensor) -> None:
     if t.is_sparse or t.layout != torch.strided:
         raise StateDictError(f"{fqn}: only dense (strided) tensors can be saved, got layout {t.layout}")
     dtype_code(t.dtype, what=fqn)
+    if t.dim() > MAX_NDIM:
+        raise StateDictError(f"{fqn}: {t.dim()} dims exceed the format's limit of {MAX_NDIM}")
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:

@@ -470,7 +470,12 @@ def _add_records(writer: CheckpointWriter, descs: list[dict]) -> None:
 
 def _topology(mesh: Mapping[str, int] | None, world: int) -> Topology:
     if mesh:
-        pairs = tuple((str(k), int(v)) for k, v in mesh.items())
+        from reshard.topology import Mesh, TopologyError
+
+        try:
+            pairs = Mesh.parse(mesh).dims
+        except TopologyError as e:
+            raise StateDictError(f"mesh=: {e}") from None
         if _prod(s for _, s in pairs) != world:
             raise StateDictError(f"mesh {dict(pairs)} does not multiply to the world size {world}")
         return Topology(world_size=world, mesh=pairs)

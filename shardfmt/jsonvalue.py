@@ -37,28 +37,38 @@ _I64_MAX = (1 << 63) - 1
 _NP_KINDS = frozenset("biufc")  # numeric and bool numpy dtypes only (no object, no void)
 
 
-def encode(value: Any, *, where: str = "value") -> Any:
+MAX_DEPTH = 48  # nesting of one value; the manifest adds its own levels (limit 64 in all)
+
+
+def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
     """Return the typed-JSON form of ``value``; raise EncodingError naming ``where``."""
+    if _depth > MAX_DEPTH:
+        raise EncodingError(f"{where}: nested more than {MAX_DEPTH} levels deep")
+    d = _depth + 2
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int) and not isinstance(value, np.integer):
         if _I64_MIN <= value <= _I64_MAX:
             return int(value)
-        return {"$int": str(int(value))}
+        try:
+            return {"$int": str(int(value))}
+        except ValueError:
+            raise EncodingError(f"{where}: integer with more than 4300 digits cannot be stored") from None
     if isinstance(value, float) and not isinstance(value, np.floating):
         if math.isfinite(value):
             return float(value)
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, list):
-        return [encode(v, where=f"{where}[{i}]") for i, v in enumerate(value)]
+        return [encode(v, where=f"{where}[{i}]", _depth=d - 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, where=f"{where}[{i}]") for i, v in enumerate(value)]}
+        return {"$tuple": [encode(v, where=f"{where}[{i}]", _depth=d) for i, v in enumerate(value)]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: encode(v, where=f"{where}.{k}") for k, v in value.items()}
+            return {k: encode(v, where=f"{where}.{k}", _depth=d - 1) for k, v in value.items()}
         return {
             "$dict": [
-                [encode(k, where=f"{where} (key {k!r})"), encode(v, where=f"{where}[{k!r}]")]
+                [encode(k, where=f"{where} (key {k!r})", _depth=d + 1),
+                 encode(v, where=f"{where}[{k!r}]", _depth=d + 1)]
                 for k, v in value.items()
             ]
         }

@@ -113,9 +113,11 @@ def decode_origins(metadata: Mapping[str, str], *, source: str) -> dict[str, Sha
         obj = orjson.loads(raw)
         out = {}
         for k, o in obj.items():
+            if not isinstance(o, dict) or set(o) != {"fqn", "offsets", "global_shape"}:
+                raise TypeError
             fqn, offs, shape = o["fqn"], o["offsets"], o["global_shape"]
-            if not isinstance(fqn, str) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                   for x in list(offs) + list(shape)):
+            if not isinstance(fqn, str) or not isinstance(offs, list) or not isinstance(shape, list) \
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in offs + shape):
                 raise TypeError
             out[k] = ShardOrigin(fqn=fqn, offsets=tuple(offs), global_shape=tuple(shape))
         return out

@@ -22,6 +22,8 @@ import torch
 
 from .errors import ShapeError, StateDictError
 
+MAX_FQN = 4096  # the manifest's limit on a name
+
 
 @dataclass(frozen=True, slots=True)
 class ShardedTensor:
@@ -124,6 +126,9 @@ def flatten(state_dict: Any) -> list[Leaf]:
 
     for k, v in state_dict.items():
         visit(state_dict, k, v, _segment(k, ""))
+    for fqn in leaves:
+        if len(fqn) > MAX_FQN:
+            raise StateDictError(f"{fqn[:80]}...: name of {len(fqn)} characters exceeds {MAX_FQN}")
     return [leaves[k] for k in sorted(leaves)]
 
 

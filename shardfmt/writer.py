@@ -13,6 +13,7 @@ import datetime as _dt
 import platform
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from .storage import Storage, get_storage
 from .tensor_bytes import byte_pieces
 
 Clock = Callable[[], _dt.datetime]
+_OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
 
 
 def default_writer_versions() -> dict[str, str]:
@@ -119,16 +121,36 @@ def write_shard_file(
     hasher = hashing.ChunkHasher(chunk_size)
     path = storage.join(directory, name)
     w = storage.open_writer(path)
+    pool = None
+    pending = None
     try:
         hasher.update(header.data)
         w.write(header.data)
         for s in shards:
             for piece in byte_pieces(s.data):
-                hasher.update(piece)
+                if len(piece) < _OVERLAP_MIN:
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    hasher.update(piece)
+                    w.write(piece)
+                    continue
+                # Hash this piece on a helper thread while the OS writes it (both drop the GIL):
+                # the save then costs ~max(write, hash) instead of their sum.
+                if pool is None:
+                    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(hasher.update, piece)
                 w.write(piece)
+        if pending is not None:
+            pending.result()
     except BaseException:
         w.abort()
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     w.close(sync=sync)
     chunks = tuple(hasher.finish())
     if hasher.total != header.file_size:
@@ -307,6 +329,9 @@ class CheckpointWriter:
     def commit(self, *, step: int | None = None, metadata: Any = None,
                topology: Topology | None = None) -> Manifest:
         """Build the manifest and publish the checkpoint; abort on any failure."""
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 1 << 62):
+            self.abort()
+            raise StateDictError(f"step must be an integer in [0, 2^62], got {step!r}")
         if self._done:
             raise CommitError(f"{self.path}: this writer already finished")
         try:
