@@ -286,6 +286,7 @@ def save_distributed(
     group = control_group(process_group, timeout)
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
+    topo = _topology(mesh, world)  # a bad mesh fails every rank before anything is written
     if storage is None:
         storage, path = get_storage(path, storage_options)
 
@@ -364,7 +365,6 @@ def save_distributed(
                 if r["file"] is not None:
                     writer.add_file(_written_from_json(r["file"]), meta, frozenset(storage_names))
             _add_records(writer, descs)
-            topo = _topology(mesh, world)
             manifest = writer.commit(step=step, metadata=metadata, topology=topo)
             outcome = {"ok": True, "rank": 0, "manifest": manifest.to_json().decode()}
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised here

@@ -150,3 +150,24 @@ def test_reshard_plan_follows_saved_placements(ckpts, capsys):
     wo = [t for t in out["targets"] if t["tensor"] == "model.layers.0.attn.wo.weight"]
     assert wo[0]["offsets"] == [0, 8] and wo[0]["lengths"] == [32, 8]  # row-parallel: columns
     assert out["bytes_to_read"] == out["needed_bytes"]
+
+
+def test_save_errors_raise_on_every_rank_and_commit_nothing(tmp_path):
+    results = check_all_ok(launch("save_errors", 2, {"root": str(tmp_path)}, out_dir=str(tmp_path / "o")))
+    for r in results:
+        assert r["partial"][0] == "StateDictError" and "Partial" in r["partial"][1]
+        assert r["replicas"][0] == "StateDictError" and "rank 0 and rank 1" in r["replicas"][1]
+        assert r["values"][0] == "StateDictError" and "lr" in r["values"][1]
+        assert r["one_rank_bad_value"][0] == "StateDictError" and "rank 1" in r["one_rank_bad_value"][1]
+        assert r["bad_mesh"][0] == "StateDictError" and "world size" in r["bad_mesh"][1]
+    for label in ("partial", "replicas", "values", "one_rank_bad_value", "bad_mesh"):
+        assert not os.path.exists(tmp_path / label / "COMMITTED"), label
+    # PerRank values come back only on the same world size, unless the caller says otherwise
+    with pytest.raises(shardfmt.StateDictError, match="saved by 2 rank"):
+        shardfmt.load({"rng": shardfmt.PerRank(None)}, str(tmp_path / "perrank"))
+    keep = {"rng": shardfmt.PerRank("mine")}
+    shardfmt.load(keep, str(tmp_path / "perrank"), per_rank="skip")
+    assert keep["rng"].value == "mine"
+    got = {"rng": shardfmt.PerRank(None)}
+    shardfmt.load(got, str(tmp_path / "perrank"), rank=1)
+    assert got["rng"].value == 1

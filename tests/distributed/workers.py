@@ -168,6 +168,37 @@ def faulty_save(rank, world, args):
     return {"raised": None, "seconds": time.monotonic() - t0}
 
 
+@job
+def save_errors(rank, world, args):
+    """Errors on one rank or in the state: every rank raises the same typed error, none hangs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    out = {}
+    td = dt.timedelta(seconds=30)
+
+    def attempt(label, state, **kw):
+        try:
+            shardfmt.save(state, os.path.join(args["root"], label), timeout=td, **kw)
+            out[label] = None
+        except shardfmt.ShardfmtError as e:
+            out[label] = [type(e).__name__, str(e)]
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    attempt("partial", {"p": DTensor.from_local(torch.ones(4), mesh, [Partial()])})
+    attempt("replicas", {"w": torch.full((4,), float(rank)), "ok": torch.ones(2)}, check_replicas=True)
+    attempt("values", {"w": torch.ones(2), "lr": 0.1 * (rank + 1)}, check_replicas=True)
+
+    class Opaque:
+        pass
+
+    attempt("one_rank_bad_value", {"w": torch.ones(2), "x": Opaque() if rank == 1 else 1})
+    attempt("bad_mesh", {"w": torch.ones(2)}, mesh={"dp": world + 1})
+    # per-rank values on another world size: saved by this 2-rank job, loaded "as" 1 rank
+    shardfmt.save({"rng": shardfmt.PerRank(rank)}, os.path.join(args["root"], "perrank"), timeout=td)
+    return out
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)
