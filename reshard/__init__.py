@@ -2,7 +2,7 @@
 
 import shardfmt as _shardfmt  # noqa: F401  (import order: shardfmt's API imports reshard's planner)
 
-from .geometry import Box, ByteRange, coalesce, intersect
+from .geometry import Box, ByteRange, intersect
 from .planner import CopyItem, LoadPlan, PhysicalRead, TargetSlice, plan_load
 
 __all__ = [
@@ -12,7 +12,6 @@ __all__ = [
     "LoadPlan",
     "PhysicalRead",
     "TargetSlice",
-    "coalesce",
     "intersect",
     "plan_load",
 ]

@@ -3,7 +3,7 @@
 ``Box(offsets, lengths)`` is a slice of a tensor in element coordinates (global or
 local, the caller says which). ``ByteRange(start, end)`` is half-open, like safetensors'
 ``data_offsets``. ``box_spans`` turns a sub-box of a row-major array into the byte
-spans a reader must fetch; ``coalesce`` merges nearby spans. Everything here is pure.
+spans a reader must fetch (the planner merges nearby spans into reads). Everything here is pure.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ class ByteRange:
     @property
     def length(self) -> int:
         return self.end - self.start
-
-    def shift(self, delta: int) -> ByteRange:
-        return ByteRange(self.start + delta, self.end + delta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,26 +197,6 @@ def _split_large(span: Span, cap: int, itemsize: int, strides: tuple[int, ...]) 
         piece = Span(start, start + (k - 1) * step + rest, Box(offs, lens))
         yield from _split_large(piece, cap, itemsize, strides)
         i += k
-
-
-def coalesce(ranges: Sequence[ByteRange], *, max_gap: int = 0, max_size: int | None = None) -> list[ByteRange]:
-    """Merge sorted-or-not ranges whose gap is at most ``max_gap``; overlaps always merge.
-
-    A merge that would exceed ``max_size`` is not made unless the ranges overlap.
-    """
-    out: list[ByteRange] = []
-    for r in sorted(ranges, key=lambda r: (r.start, r.end)):
-        if out:
-            last = out[-1]
-            overlap = r.start < last.end
-            if overlap or (
-                r.start - last.end <= max_gap
-                and (max_size is None or max(r.end, last.end) - last.start <= max_size)
-            ):
-                out[-1] = ByteRange(last.start, max(last.end, r.end))
-                continue
-        out.append(r)
-    return out
 
 
 def tiling_problems(boxes: Sequence[Box], region: Box, *, limit: int = 20) -> list[str]:

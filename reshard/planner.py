@@ -16,7 +16,7 @@ land (``dst_offsets`` inside the target box).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardfmt.errors import PlanError, ShapeError
@@ -200,12 +200,4 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
         cur, cur_start, cur_end = [it], s, e
     if cur:
         out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, cur_end), items=tuple(cur)))
-    return out
-
-
-def group_targets_by_file(plan: LoadPlan) -> Mapping[str, int]:
-    """Return bytes read per file (for reports)."""
-    out: dict[str, int] = {}
-    for r in plan.reads:
-        out[r.file] = out.get(r.file, 0) + r.byte_range.length
     return out

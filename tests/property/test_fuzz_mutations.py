@@ -5,9 +5,12 @@ a 2-D fp32 tensor split into two shards over two rank files, a bf16 tensor, a 0-
 an int64 tensor, a replicated value and a per-rank value. Each example copies it and
 applies one mutation:
 
-(a) the parsed manifest: one number, string, list or key changed, a key deleted or added,
-    then re-serialised; in half the cases ``COMMITTED`` is rewritten to vouch for the new
-    bytes, so the mutation must be caught by the checks behind the digest;
+(a) the parsed manifest: one number, string, list or key changed, a key deleted, added or
+    renamed, or a coherent edit that keeps the manifest self-consistent (shards trading
+    places, a byte range shifted, a shape or dtype reinterpreting the same bytes), now and
+    then followed by one or two more edits; then re-serialised. In half the cases
+    ``COMMITTED`` is rewritten to vouch for the new bytes, so the edit must be caught by
+    the checks behind the digest;
 (b) a safetensors header: bytes of the 8-byte length prefix or of the JSON flipped, or the
     JSON replaced by a different valid header;
 (c) one data byte flipped anywhere in a data file;
@@ -24,10 +27,14 @@ is not ok and, when the damage lies in a chunk the load needs, load raises
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import traceback
 from typing import Any
 
@@ -158,8 +165,6 @@ def _indices(box: Box):
     if box.ndim == 0:
         yield ()
         return
-    import itertools
-
     yield from itertools.product(*[range(o, o + n) for o, n in zip(box.offsets, box.lengths)])
 
 
@@ -177,6 +182,29 @@ def _where(e: BaseException) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
+class Hang(BaseException):
+    """A validate or load that did not finish: not an Exception, so nothing swallows it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    """Turn a hang into a failure (SIGALRM; a no-op where that is unavailable)."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise Hang(f"{what} still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
     """Validate (quick and deep) and load with verification; return (reports, load error).
 
@@ -188,7 +216,8 @@ def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
     reports = []
     for deep in (False, True):
         try:
-            reports.append(shardfmt.validate(path, deep=deep))
+            with deadline(30, f"validate(deep={deep})"):
+                reports.append(shardfmt.validate(path, deep=deep))
         except ShardfmtError:
             reports.append(None)
         except Exception as e:  # noqa: BLE001 - the property under test
@@ -197,7 +226,8 @@ def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
     sd, expected = build_targets(spec)
     err: BaseException | None = None
     try:
-        shardfmt.load(sd, path, verify=True)
+        with deadline(30, "load"):
+            shardfmt.load(sd, path, verify=True)
     except ShardfmtError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - the property under test
@@ -271,6 +301,11 @@ OTHERS = [None, True, False, 1.5, -0.0, 1e308, [], {}, [0], {"x": 1}, [[0, 1]], 
           {"$tuple": 5}, {"$unknown": 1}]
 
 
+def _json_int(v: int) -> bool:
+    """Whether orjson can write ``v`` (a signed or unsigned 64-bit integer)."""
+    return -(2**63) <= v <= 2**64 - 1
+
+
 @st.composite
 def manifest_mutations(draw, obj: dict) -> tuple[dict, str]:
     """Apply one random mutation to a deep copy of the manifest object; describe it."""
@@ -292,14 +327,16 @@ def manifest_mutations(draw, obj: dict) -> tuple[dict, str]:
     if op == "replace":
         choice = draw(st.sampled_from(["int", "str", "other", "same_type"]))
         if choice == "int" or (choice == "same_type" and isinstance(value, int) and not isinstance(value, bool)):
-            repl = draw(st.sampled_from(INTS + ([value + 1, value - 1, value * 2] if isinstance(value, int) else [])))
+            near = [value + 1, value - 1, value * 2] if isinstance(value, int) and not isinstance(value, bool) else []
+            repl = draw(st.sampled_from(INTS + [v for v in near if _json_int(v)]))
         elif choice == "str" or (choice == "same_type" and isinstance(value, str)):
             repl = draw(st.sampled_from(STRINGS + ([value[:-1], value + "0"] if isinstance(value, str) else [])))
         else:
             repl = draw(st.sampled_from(OTHERS))
         parent[key] = repl
     elif op == "nudge":
-        parent[key] = value + draw(st.sampled_from([1, -1, 2, -2, 4, -4, 8, 4096, -4096]))
+        parent[key] = value + draw(st.sampled_from([d for d in (1, -1, 2, -2, 4, -4, 8, 4096, -4096)
+                                                    if _json_int(value + d)] or [0]))
     elif op == "clear":
         parent[key] = type(value)()
     elif op == "shrink":
@@ -339,9 +376,46 @@ class _Quiet(dict):
 
 
 @st.composite
+def coherent_mutations(draw, obj: dict) -> tuple[dict, str]:
+    """Edits that keep the manifest self-consistent, so only cross-checks against the files catch them."""
+    new = copy.deepcopy(obj)
+    t = new["tensors"]
+    w0, w1 = t["w"]["shards"]
+    kind = draw(st.sampled_from(["swap_w_offsets", "swap_w_places", "shift_range", "transpose_b", "retype_s",
+                                 "retype_w", "move_i"]))
+    if kind == "swap_w_offsets":  # the two halves of w trade places in the tensor
+        w0["offsets"], w1["offsets"] = w1["offsets"], w0["offsets"]
+    elif kind == "swap_w_places":  # ...or trade their files and bytes
+        for k in ("file", "byte_range", "key", "digest"):
+            w0[k], w1[k] = w1[k], w0[k]
+    elif kind == "shift_range":  # same length, other bytes of the same file
+        name = draw(st.sampled_from(["w", "b", "s", "i"]))
+        shard = t[name]["shards"][0]
+        delta = draw(st.sampled_from([-8, -4, -2, -1, 1, 2, 4, 8, 64, 4096]))
+        shard["byte_range"] = [x + delta for x in shard["byte_range"]]
+    elif kind == "transpose_b":  # same bytes read as another shape
+        t["b"]["shape"] = t["b"]["shards"][0]["lengths"] = [30, 40]
+    elif kind == "retype_s":  # same bytes read as another dtype of the same size
+        t["s"]["dtype"] = draw(st.sampled_from(["I32", "U32"]))
+    elif kind == "retype_w":
+        t["w"]["dtype"] = "I32"
+    elif kind == "move_i":  # point i at the first bytes of w's shard (same file, same length)
+        t["i"]["shards"][0]["byte_range"] = [w0["byte_range"][0], w0["byte_range"][0] + 800]
+        t["i"]["shards"][0]["digest"] = w0["digest"]
+    return new, f"coherent {kind}"
+
+
+@st.composite
 def case_a(draw, base: dict) -> dict:
-    new, what = draw(manifest_mutations(base["obj"]))
-    return {"what": what, "commit": draw(st.booleans()), "spec": draw(target_specs()), "obj": _Quiet(new)}
+    # The first edit may be a coherent one (it needs the pristine records); mostly that is
+    # all, sometimes one or two random edits follow.
+    obj, what = draw(st.one_of(manifest_mutations(base["obj"]), coherent_mutations(base["obj"])))
+    whats = [what]
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
+        obj, what = draw(manifest_mutations(obj))
+        whats.append(what)
+    return {"what": "; ".join(whats), "commit": draw(st.booleans()), "spec": draw(target_specs()),
+            "obj": _Quiet(obj)}
 
 
 def _fuzz_manifest_case(base: dict, case: dict) -> None:
@@ -356,7 +430,7 @@ def _fuzz_manifest_case(base: dict, case: dict) -> None:
             assert err is not None, f"load accepted a manifest COMMITTED does not vouch for ({case['what']})"
 
 
-@settings(max_examples=70, **FUZZ)
+@settings(max_examples=80, **FUZZ)
 @given(data=st.data())
 def test_fuzz_manifest_fields(base, data):
     case = data.draw(case_a(base), label="case")
