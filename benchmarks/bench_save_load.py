@@ -469,6 +469,8 @@ def summarize(out: dict) -> dict:
             row = {"phase": phase, "method": m, "seconds": t, "gbps": nbytes / t / 1e9,
                    "ratio_to_floor": floor_t / t,
                    "ratio_to_floor_best": min(r["seconds"] for r in raw[phase][floor_key]) / min(r["seconds"] for r in rs),
+                   "ratio_to_floor_paired": statistics.median(
+                       f["seconds"] / r["seconds"] for f, r in zip(raw[phase][floor_key], rs)),
                    "rss_growth_frac_max": peak / nbytes,
                    "rss_growth_frac_median": med(rs, "rss_growth") / nbytes,
                    "all_seconds": [r["seconds"] for r in rs]}
@@ -478,7 +480,10 @@ def summarize(out: dict) -> dict:
                 rows.append({"phase": phase, "method": f"{m} (no copy)", "seconds": tn, "gbps": nbytes / tn / 1e9,
                              "ratio_to_floor": floor_t / tn,
                              "ratio_to_floor_best": min(r["seconds"] for r in raw[phase][floor_key])
-                             / min(r["no_copy"] for r in rs), "rss_growth_frac_max": None,
+                             / min(r["no_copy"] for r in rs),
+                             "ratio_to_floor_paired": statistics.median(
+                                 f["seconds"] / r["no_copy"] for f, r in zip(raw[phase][floor_key], rs)),
+                             "rss_growth_frac_max": None,
                              "rss_growth_frac_median": None, "all_seconds": [r["no_copy"] for r in rs]})
     summary["rows"] = rows
 
@@ -509,15 +514,16 @@ def print_summary(out: dict, summary: dict) -> None:
     print()
     print(f"state {nbytes / MIB:.1f} MiB in {out['tensors']} tensors; median of {out['repeats']} repeats; "
           "ratio = floor_time / method_time (throughput relative to the floor)")
-    print("x floor = floor median / method median; best = floor min / method min (less sensitive to noise, "
-          "informational); peak RSS + = max over repeats of (peak VmRSS - VmRSS before) / state bytes")
-    hdr = (f"{'phase':<10} {'method':<26} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'best':>6} "
+    print("x floor = floor median / method median (judged); informational, less sensitive to noise: "
+          "best = floor min / method min, paired = median over repeats of floor_i / method_i (same round); "
+          "peak RSS + = max over repeats of (peak VmRSS - VmRSS before) / state bytes")
+    hdr = (f"{'phase':<10} {'method':<26} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'best':>6} {'paired':>6} "
            f"{'peak RSS +':>11}  runs (s)")
     print(hdr)
     print("-" * len(hdr) + "-" * 20)
     for r in summary["rows"]:
         rss = "" if r["rss_growth_frac_max"] is None else f"{r['rss_growth_frac_max']:.1%}"
-        print(f"{r['phase']:<10} {r['method']:<26} {r['seconds']:9.3f} {r['gbps']:7.3f} {r['ratio_to_floor']:8.3f} {r['ratio_to_floor_best']:6.3f} "
+        print(f"{r['phase']:<10} {r['method']:<26} {r['seconds']:9.3f} {r['gbps']:7.3f} {r['ratio_to_floor']:8.3f} {r['ratio_to_floor_best']:6.3f} {r['ratio_to_floor_paired']:6.3f} "
               f"{rss:>11}  {' '.join(f'{s:.3f}' for s in r['all_seconds'])}")
     print()
     for t in summary["targets"]:
