@@ -88,9 +88,15 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool) -> st
 
 
 def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
-            *, on_step: StepHook | None = None) -> CommitRecord:
-    """Run steps 2-7 of the protocol for files already written under ``staging``."""
+            *, overwrite: bool = False, on_step: StepHook | None = None) -> CommitRecord:
+    """Run steps 2-7 of the protocol for files already written under ``staging``.
+
+    Without ``overwrite``, a checkpoint that appeared at ``path`` while this save was
+    writing (a racing save of the same step) wins: this one raises CheckpointExistsError.
+    """
     step = on_step or (lambda name: None)
+    if not storage.atomic_rename and is_committed(storage, path) and staging != path:
+        raise CheckpointExistsError(f"{path}: another save committed here first")
     step("files_written")
     manifest_bytes = manifest.to_json()
     record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
@@ -106,12 +112,19 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
     step("staging_synced")
     parent = posixpath.dirname(path.rstrip("/")) or "."
     if not storage.exists(path):
-        storage.rename(staging, path)
+        try:
+            storage.rename(staging, path)
+        except StorageError:
+            if storage.exists(path) and not overwrite:
+                raise CheckpointExistsError(f"{path}: another save published here first") from None
+            raise
         step("published")
         storage.sync_dir(parent)
         step("parent_synced")
         step("cleaned")
         return record
+    if not overwrite and is_committed(storage, path):
+        raise CheckpointExistsError(f"{path}: another save published here first")
     if storage.isdir(path) and not storage.listdir(path):
         storage.rename(staging, path)  # replaces an empty directory atomically
         step("published")

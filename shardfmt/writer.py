@@ -214,6 +214,7 @@ class CheckpointWriter:
         self.chunk_size = chunk_size
         self._sync = sync
         self._on_step = on_step
+        self._overwrite = overwrite
         self._files: dict[str, FileRecord] = {}
         self._tensors: dict[str, _TensorMeta] = {}
         self._storages: dict[str, _TensorMeta] = {}
@@ -336,7 +337,8 @@ class CheckpointWriter:
             raise CommitError(f"{self.path}: this writer already finished")
         try:
             manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
-            _commit.publish(self.storage, self.path, self.staging, manifest, on_step=self._on_step)
+            _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
+                            on_step=self._on_step)
         except BaseException:
             self.abort()
             raise

@@ -147,3 +147,17 @@ def test_process_killed_mid_save_leaves_previous_state(step, tmp_path):
     assert rows["ck"] == "committed"
     leftovers = [n for n in rows if n != "ck"]
     assert leftovers and all(rows[n] == "incomplete" for n in leftovers)
+
+
+def test_two_saves_of_one_path_race_safely(tmp_path):
+    """Both stage; the first to publish wins, the second gets a clear error and removes its files."""
+    path = str(tmp_path / "ck")
+    first = shardfmt.CheckpointWriter(path)
+    second = shardfmt.CheckpointWriter(path)
+    first.write_rank(0, [shardfmt.ShardData(fqn="w", data=OLD, global_shape=(64, 64), offsets=(0, 0))])
+    second.write_rank(0, [shardfmt.ShardData(fqn="w", data=NEW, global_shape=(64, 64), offsets=(0, 0))])
+    first.commit()
+    with pytest.raises(shardfmt.CheckpointExistsError, match="first"):
+        second.commit()
+    assert torch.equal(_value(path), OLD)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -4,12 +4,16 @@ A writer that commits a checkpoint its own reader refuses has lost the user's da
 reporting success. Each case saves a small state dict at or past one of the format's
 limits (nesting depth of values and metadata, name lengths, step range, tensor rank,
 integers too large for 64 bits) and asserts: ``save`` either refuses with a
-``ShardfmtError`` or the checkpoint validates and loads back equal.
+``ShardfmtError`` or the checkpoint validates and loads back equal, each within a few
+seconds (a tiny checkpoint that takes longer is a hang waiting for a bigger input).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import tempfile
+import threading
 from typing import Any
 
 import pytest
@@ -18,6 +22,32 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shardfmt
+
+
+SECONDS = 5  # a tiny checkpoint validates and loads in milliseconds
+
+
+class Hang(BaseException):
+    """A call that did not finish in time: not an Exception, so nothing swallows it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: int, what: str):
+    """Turn a hang into a failure (SIGALRM; a no-op where that is unavailable)."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise Hang(f"{what} still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
@@ -31,11 +61,14 @@ def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
             shardfmt.save(sd, path, **save_kw)
         except shardfmt.ShardfmtError:
             return False
-        report = shardfmt.validate(path)
+        what = f"validate of a checkpoint holding {_describe(sd, save_kw)}"
+        with deadline(SECONDS, what):
+            report = shardfmt.validate(path)
         assert report.ok, f"save committed a checkpoint validate rejects: {[str(p)[:200] for p in report.problems][:3]}"
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
         try:
-            shardfmt.load(target, path)
+            with deadline(SECONDS, what.replace("validate", "load", 1)):
+                shardfmt.load(target, path)
         except shardfmt.ShardfmtError as e:
             pytest.fail(f"save committed a checkpoint load refuses: {type(e).__name__}: {str(e)[-200:]}")
         for k, v in sd.items():
@@ -48,6 +81,10 @@ def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
         if "metadata" in save_kw:
             assert shardfmt.read_manifest(path).metadata is not None or save_kw["metadata"] is None
         return True
+
+
+def _describe(sd: dict, save_kw: dict) -> str:
+    return repr({k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)} | save_kw)[:300]
 
 
 def nest(leaf: Any, kinds: list[str]) -> Any:
@@ -76,6 +113,13 @@ def test_nested_values_and_metadata_round_trip(value, where):
     else:
         accepted = assert_round_trip({"x": torch.zeros(2)}, metadata=value)
     event(f"{where}: {'saved' if accepted else 'refused'}")
+
+
+@pytest.mark.parametrize("depth", [8, 16])
+@pytest.mark.parametrize("kind", ["tuple", "intkey", "list"])
+def test_nested_tagged_values_validate_quickly(kind, depth):
+    """Tagged values ($tuple, $dict) nest one JSON level deeper per level: still linear to check."""
+    assert_round_trip({"x": torch.zeros(2), "cfg": nest(0, [kind] * depth)})
 
 
 @pytest.mark.parametrize("length", [1, 4096, 4097, 10_000])
