@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 
 import shardfmt
 
-
 SECONDS = 5  # a tiny checkpoint validates and loads in milliseconds
 
 
