@@ -21,7 +21,9 @@ preallocated target tensors*, so the times compare like with like:
   torch.load    torch.load(path, weights_only=True) then copy_ into the targets;
                 the time without the copy is reported too ("torch.load (no copy)")
   safetensors   safetensors.torch.load_file(path) then copy_ into the targets;
-                the time without the copy is reported too ("safetensors (no copy)")
+                the time without the copy is reported too ("safetensors (no copy)"; with
+                safetensors 0.8 load_file hands back mmap-backed tensors, so the bytes are
+                actually read during the copy: only the "+copy" row compares like with like)
   floor         os.preadv of the same bytes straight into the targets in 8 MiB pieces
                 + xxh3-128 per 1 MiB chunk over them (single thread)
   floor-2threads  the same, 8 MiB pieces spread over 2 threads (informational: shardfmt reads
@@ -31,6 +33,11 @@ preallocated target tensors*, so the times compare like with like:
 Peak RSS growth: a background thread samples /proc/self/statm every ~2 ms during every
 timed call; reported as (peak - rss_before) / state bytes. (Not ru_maxrss.) malloc_trim
 runs before each call so the baseline is honest.
+
+Columns: "x floor" = floor median / method median (throughput ratio; what the targets are
+judged on); "best" = floor min / method min and "paired" = median over repeats of
+floor_i / method_i (same round) are informational and less sensitive to a noisy neighbour.
+The load average before/after is printed: a high value means the figures are noisy.
 
 Targets (from the issue): save >= 0.9x the write floor's throughput, load >= 0.9x the read
 floor's throughput, peak RSS growth during save < 10% of the state.

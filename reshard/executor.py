@@ -11,6 +11,7 @@ is copied anywhere. Reads run on a small thread pool; files are opened once.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from shardfmt.tensor_bytes import byte_view, is_direct
 from .planner import CopyItem, LoadPlan, PhysicalRead
 
 DEFAULT_WORKERS = 4
+READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 
 
 class _Readers:
@@ -94,11 +96,12 @@ class Executor:
     def run(self, plan: LoadPlan) -> None:
         readers = _Readers(self.storage, self.root, self.files)
         try:
-            if self.workers <= 1 or len(plan.reads) <= 1:
+            workers = min(self.workers, len(plan.reads), os.cpu_count() or 1)
+            if workers <= 1:
                 for r in plan.reads:
                     self._one(r, readers, plan.verify)
             else:
-                with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="shardfmt-read") as ex:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
                     futures = [ex.submit(self._one, r, readers, plan.verify) for r in plan.reads]
                     errors = []
                     for f in futures:
@@ -138,36 +141,38 @@ class Executor:
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
-            self._read(reader, read, segments)
-            if verify:
-                self._verify(read, segments)
+            self._read(reader, read, segments, verify)
             return
         buf = torch.empty(end - start, dtype=torch.uint8)
-        mv = byte_view(buf)
-        self._read(reader, read, [mv])
-        if verify:
-            self._verify(read, [mv])
+        self._read(reader, read, [byte_view(buf)], verify)
         for it in read.items:
             src = _src_view(buf, it.src_start - start, it, self.src_dtypes[it.target])
             _dst_view(self.targets[it.target], it).copy_(src)
 
-    def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview]) -> None:
+    def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool) -> None:
+        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands."""
+        hasher = ChunkHasher(self.chunk_size) if verify else None
+        pos = read.byte_range.start
         try:
-            reader.readinto(read.byte_range.start, segments)
+            for seg in segments:
+                for off in range(0, len(seg), READ_PIECE):
+                    piece = seg[off : off + READ_PIECE]
+                    reader.readinto(pos, [piece])
+                    pos += len(piece)
+                    if hasher is not None:
+                        hasher.update(piece)
         except ShardfmtError as e:
             raise StorageError(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
                                f"failed: {e}") from None
+        if hasher is not None:
+            self._verify(read, hasher.finish())
 
-    def _verify(self, read: PhysicalRead, segments: Sequence[memoryview]) -> None:
+    def _verify(self, read: PhysicalRead, got: list[str]) -> None:
         c = self.chunk_size
         start, end = read.byte_range.start, read.byte_range.end
         if start % c:
             raise IntegrityError(f"{read.file}: read at byte {start} is not chunk-aligned; cannot verify")
         first = start // c
-        hasher = ChunkHasher(c)
-        for s in segments:
-            hasher.update(s)
-        got = hasher.finish()
         want = self.files[read.file].chunks
         for i, digest in enumerate(got):
             k = first + i

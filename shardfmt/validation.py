@@ -141,9 +141,27 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     if commit is not None and manifest.save_id != commit.save_id:
         problems.append(Problem(code="save_id", file=COMMITTED_NAME,
                                 message=f"save_id {commit.save_id!r} != manifest save_id {manifest.save_id!r}"))
+    _check_values(manifest, problems)
     _check_files(storage, path, manifest, problems, deep=deep)
     _check_tensors(manifest, problems)
     return done(manifest)
+
+
+def _check_values(m: Manifest, problems: list[Problem]) -> None:
+    """Every typed-JSON value (and the metadata) must decode."""
+    from . import jsonvalue
+
+    items = [("metadata", m.metadata)]
+    for fqn, rec in m.values.items():
+        if rec.per_rank is None:
+            items.append((fqn, rec.value))
+        else:
+            items.extend((f"{fqn}[rank {r}]", v) for r, v in rec.per_rank.items())
+    for where, v in items:
+        try:
+            jsonvalue.decode(v, where=where)
+        except ShardfmtError as e:
+            problems.append(Problem(code="value", tensor=where, message=str(e)))
 
 
 def _check_tensors(m: Manifest, problems: list[Problem]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from .manifest import (
     ViewRecord,
     rank_file_name,
 )
+from .retention import DEFAULT_LEASE_SECONDS
 from .safetensors_io import ShardOrigin, encode_header, encode_origins
 from .storage import Storage, get_storage
 from .tensor_bytes import byte_pieces
@@ -176,6 +178,27 @@ class _TensorMeta:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
+class _Lease:
+    """Keep a staging dir's mtime fresh while the save runs, so collectors leave it alone."""
+
+    def __init__(self, storage: Storage, path: str, lease_seconds: float) -> None:
+        self._stop = threading.Event()
+        self._thread = None
+        if not storage.atomic_rename:
+            return
+        interval = max(0.5, lease_seconds / 4)
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                storage.touch(path)
+
+        self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class CheckpointWriter:
     """Write the files of any number of ranks from one process, then commit once.
 
@@ -201,6 +224,7 @@ class CheckpointWriter:
         chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
         sync: bool = True,
         on_step: _commit.StepHook | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> None:
         if not 4096 <= chunk_size <= 1 << 30:
             raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
@@ -223,6 +247,7 @@ class CheckpointWriter:
         self._values: dict[str, ValueRecord] = {}
         self._done = False
         self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite)
+        self._lease = _Lease(storage, self.staging, lease_seconds)
 
     # -- 2) data files
     def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,
@@ -343,6 +368,7 @@ class CheckpointWriter:
             self.abort()
             raise
         self._done = True
+        self._lease.stop()
         return manifest
 
     def abort(self) -> None:
@@ -350,6 +376,7 @@ class CheckpointWriter:
         if self._done:
             return
         self._done = True
+        self._lease.stop()
         if self.staging != self.path or not _commit.is_committed(self.storage, self.path):
             _commit.abort(self.storage, self.staging)
 

@@ -53,6 +53,7 @@ from shardfmt.manifest import COMMITTED_NAME, MANIFEST_NAME, CommitRecord, parse
 
 CHUNK_SIZE = 4096
 FILES = ("data/rank_00000.safetensors", "data/rank_00001.safetensors")
+SECONDS = 10  # validate or load of this tiny checkpoint takes milliseconds; longer is a hang
 FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
 
 
@@ -177,8 +178,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _where(e: BaseException) -> str:
     """The innermost shardfmt/reshard frame of ``e``'s traceback, for the failure message."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/shardfmt/" in f.filename or "/reshard/" in f.filename]
-    f = (frames or traceback.extract_tb(e.__traceback__))[-1]
+    tb = traceback.extract_tb(e.__traceback__)
+    ours = [f for f in tb if "/shardfmt/" in f.filename or "/reshard/" in f.filename]
+    f = (ours or tb)[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
 
 
@@ -205,7 +207,7 @@ def deadline(seconds: int, what: str):
         signal.signal(signal.SIGALRM, old)
 
 
-def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
+def run_checks(path: str, spec: dict, label: str = "") -> tuple[list, BaseException | None]:
     """Validate (quick and deep) and load with verification; return (reports, load error).
 
     Each validator must return a report or raise a ShardfmtError (None stands for the
@@ -216,7 +218,7 @@ def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
     reports = []
     for deep in (False, True):
         try:
-            with deadline(30, f"validate(deep={deep})"):
+            with deadline(SECONDS, f"validate(deep={deep}) {label}"):
                 reports.append(shardfmt.validate(path, deep=deep))
         except ShardfmtError:
             reports.append(None)
@@ -226,7 +228,7 @@ def run_checks(path: str, spec: dict) -> tuple[list, BaseException | None]:
     sd, expected = build_targets(spec)
     err: BaseException | None = None
     try:
-        with deadline(30, "load"):
+        with deadline(SECONDS, f"load {label}"):
             shardfmt.load(sd, path, verify=True)
     except ShardfmtError as e:
         err = e
@@ -423,10 +425,11 @@ def _fuzz_manifest_case(base: dict, case: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = copy_base(base, tmp)
         write_manifest(path, raw, base, case["commit"])
-        reports, err = run_checks(path, case["spec"])
+        reports, err = run_checks(path, case["spec"], case["what"])
         if raw != base["raw"] and not case["commit"]:
             # COMMITTED no longer vouches for the manifest: nothing may load.
-            assert all(r is None or not r.ok for r in reports), f"validate passed an uncommitted edit ({case['what']})"
+            assert all(r is None or not r.ok for r in reports), \
+                f"validate passed an uncommitted edit ({case['what']})"
             assert err is not None, f"load accepted a manifest COMMITTED does not vouch for ({case['what']})"
 
 
@@ -605,6 +608,8 @@ def _hostile(base: dict, kind: str) -> bytes:
         return raw.replace(b'"metadata":null', b'"metadata":' + b"[" * 1000 + b"]" * 1000)
     if kind == "deep_value":
         return raw.replace(b'"value":{"lr"', b'"value":{"deep":' + b"[" * 1000 + b"]" * 1000 + b',"lr"')
+    if kind == "deep_tuples":  # 25 tagged levels: legal depth, but each tag is a branch point for a schema
+        return raw.replace(b'"value":{"lr"', b'"value":{"deep":' + b'{"$tuple":[' * 25 + b"0" + b"]}" * 25 + b',"lr"')
     if kind == "too_deep":
         return b'{"format":"shardfmt","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
     if kind == "huge_whitespace":
@@ -624,9 +629,9 @@ def _hostile(base: dict, kind: str) -> bytes:
     raise AssertionError(kind)
 
 
-HOSTILE = ["empty", "garbage", "truncated", "array", "null", "nan", "bigint", "inf", "float_chunk", "deep_metadata",
-           "deep_value", "too_deep", "huge_whitespace", "huge_metadata", "extra_chunk", "huge_shape", "utf16", "bom",
-           "dup_keys"]
+HOSTILE = ["empty", "garbage", "truncated", "array", "null", "nan", "bigint", "inf", "float_chunk",
+           "deep_metadata", "deep_value", "deep_tuples", "too_deep", "huge_whitespace", "huge_metadata",
+           "extra_chunk", "huge_shape", "utf16", "bom", "dup_keys"]
 
 
 @pytest.mark.parametrize("commit", [False, True], ids=["stale_commit", "recommitted"])
@@ -644,7 +649,7 @@ def test_hostile_manifests(base, kind, commit):
             pass
         except Exception as e:  # noqa: BLE001 - the property under test
             pytest.fail(f"parse_manifest raised {type(e).__name__} at {_where(e)}: {str(e)[:200]}")
-        reports, err = run_checks(path, spec)
+        reports, err = run_checks(path, spec, f"({kind} manifest)")
         if not commit:
             assert all(r is None or not r.ok for r in reports)
             assert err is not None

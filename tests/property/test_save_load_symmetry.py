@@ -63,7 +63,8 @@ def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
         what = f"validate of a checkpoint holding {_describe(sd, save_kw)}"
         with deadline(SECONDS, what):
             report = shardfmt.validate(path)
-        assert report.ok, f"save committed a checkpoint validate rejects: {[str(p)[:200] for p in report.problems][:3]}"
+        problems = [str(p)[:200] for p in report.problems][:3]
+        assert report.ok, f"save committed a checkpoint validate rejects: {problems}"
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
         try:
             with deadline(SECONDS, what.replace("validate", "load", 1)):
