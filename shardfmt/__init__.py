@@ -6,6 +6,7 @@ Public API only; the implementation lives in the submodules.
 __version__ = "0.1.0"
 
 from .api import LoadReport, load, save  # noqa: E402
+from .checkpointer import Checkpointer, CompatibilityError  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -25,6 +26,7 @@ from .errors import (  # noqa: E402
 )
 from .manifest import Manifest  # noqa: E402
 from .reader import open_checkpoint, read_manifest  # noqa: E402
+from .sampler import ResumableSampler  # noqa: E402
 from .state import PerRank, ShardedTensor  # noqa: E402
 from .validation import Problem, ValidationReport, validate  # noqa: E402
 from .writer import CheckpointWriter, ShardData  # noqa: E402
@@ -41,6 +43,9 @@ __all__ = [
     "Problem",
     "Manifest",
     "ShardedTensor",
+    "Checkpointer",
+    "CompatibilityError",
+    "ResumableSampler",
     "PerRank",
     "CheckpointWriter",
     "ShardData",

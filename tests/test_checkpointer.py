@@ -1,0 +1,123 @@
+"""Checkpointer in one process: exact resume, retention, fallback, compatibility, leases."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import shardfmt
+from shardfmt.checkpointer import Checkpointer, CompatibilityError
+from shardfmt.retention import to_delete
+from shardfmt.sampler import ResumableSampler
+
+
+def make(hidden=16):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.Dropout(0.1), torch.nn.Linear(hidden, 1))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    s = torch.optim.lr_scheduler.LambdaLR(o, lambda st: min(1.0, (st + 1) / 5))
+    return {"model": m, "optim": o, "sched": s, "sampler": ResumableSampler(64, seed=3)}
+
+
+def run(state, first, last, ck=None, save_at=()):
+    losses = []
+    m, o, s, samp = state["model"], state["optim"], state["sched"], state["sampler"]
+    for step in range(first, last + 1):
+        x = torch.randn(4, 8)  # draws from the global RNG, as dropout does
+        loss = m(x).pow(2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        s.step()
+        samp.advance(4)
+        losses.append(loss.item())
+        if step in save_at:
+            ck.save(step, state)
+    return losses
+
+
+def test_resume_is_bit_exact(tmp_path):
+    ref = run(make(), 1, 10)
+    ck = Checkpointer(str(tmp_path))
+    run(make(), 1, 7, ck, save_at=(6,))
+    fresh = make()
+    step = Checkpointer(str(tmp_path)).restore(fresh)
+    assert step == 6
+    assert fresh["sampler"].consumed == 24
+    assert fresh["sched"].last_epoch == 6
+    assert run(fresh, 7, 10) == ref[6:]
+
+
+def test_nothing_to_restore_returns_none(tmp_path):
+    assert Checkpointer(str(tmp_path / "empty")).restore(make()) is None
+
+
+def test_retention_keeps_last_and_every(tmp_path):
+    assert to_delete(range(1, 13), keep_last=2, keep_every=5) == [2, 3, 4, 6, 7, 8, 9]
+    ck = Checkpointer(str(tmp_path), keep_last=2, keep_every=5)
+    state = make()
+    for step in range(1, 13):
+        ck.save(step, state)
+    kept = [i.step for i in ck.list()]
+    assert kept == [1, 5, 10, 11, 12]
+    assert ck.latest().endswith("step_000000012")
+
+
+def test_corrupt_newest_falls_back_and_is_quarantined(tmp_path):
+    ck = Checkpointer(str(tmp_path))
+    state = make()
+    run(state, 1, 3, ck, save_at=(2, 3))
+    newest = ck.latest()
+    f = os.path.join(newest, "data", "rank_00000.safetensors")
+    with open(f, "r+b") as fh:
+        fh.seek(os.path.getsize(f) - 10)
+        b = fh.read(1)
+        fh.seek(os.path.getsize(f) - 10)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.warns(UserWarning, match=r"step_000000003.*rank_00000.safetensors"):
+        step = Checkpointer(str(tmp_path)).restore(make())
+    assert step == 2
+    names = os.listdir(tmp_path)
+    assert any(n.startswith("step_000000003.corrupt-") for n in names)
+    ck.save(3, state)  # the quarantined step can be saved again
+
+
+def test_no_valid_checkpoint_raises_unless_fresh_start_allowed(tmp_path):
+    ck = Checkpointer(str(tmp_path))
+    ck.save(1, make())
+    os.remove(os.path.join(ck.latest(), "COMMITTED"))
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match="none is valid"):
+        Checkpointer(str(tmp_path)).restore(make())
+    assert Checkpointer(str(tmp_path), allow_fresh_start=True).restore(make()) is None
+
+
+def test_omitted_entries_are_named(tmp_path):
+    Checkpointer(str(tmp_path)).save(1, make())
+    state = make()
+    with pytest.warns(UserWarning, match="saved but not restored: optim, sampler, sched"):
+        Checkpointer(str(tmp_path)).restore({"model": state["model"]})
+
+
+def test_compatibility_checks(tmp_path):
+    Checkpointer(str(tmp_path), config={"hidden": 16}).save(1, make())
+    with pytest.raises(CompatibilityError, match="different config"):
+        Checkpointer(str(tmp_path), config={"hidden": 32}).restore(make())
+    with pytest.raises(CompatibilityError, match=r"0.weight \['torch.float32', \[16, 8\]\] -> .*\[32, 8\]"):
+        Checkpointer(str(tmp_path)).restore(make(hidden=32))
+    other = make()
+    assert Checkpointer(str(tmp_path), config={"hidden": 32}).restore(other, allow_mismatch=True) == 1
+
+
+def test_dead_staging_dirs_expire_live_ones_stay(tmp_path):
+    ck = Checkpointer(str(tmp_path), lease_seconds=60)
+    ck.save(1, make())
+    dead = tmp_path / "step_000000002.tmp-dead"
+    live = tmp_path / "step_000000003.tmp-live"
+    dead.mkdir()
+    live.mkdir()
+    old = time.time() - 3600
+    os.utime(dead, (old, old))
+    assert ck.latest().endswith("step_000000001")
+    removed = ck.collect_garbage()
+    assert removed == [str(dead)] and live.exists()
