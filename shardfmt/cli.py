@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(ls)
     ls.set_defaults(func=cmd_ls)
 
-    d = sub.add_parser("demo", help="save, reshard-load and validate a small model, end to end")
+    d = sub.add_parser("demo", help="train on 2 ranks, SIGKILL one, resume, and compare bit for bit")
     d.add_argument("--dir", help="where to write (default: a temporary directory)")
+    d.add_argument("--plot", metavar="FILE.png", help="draw both loss curves (needs matplotlib)")
     d.set_defaults(func=cmd_demo)
     return p
 
