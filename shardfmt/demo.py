@@ -19,7 +19,7 @@ import time
 
 
 def _launch(root: str, run: str, steps: int, save_every: int, kill_at: int | None) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts", "3",
            "--monitor-interval", "0.2",
            "-m", "shardfmt.demo_train", "--dir", root, "--name", run, "--steps", str(steps),
            "--save-every", str(save_every)]

@@ -2,7 +2,7 @@
 
 Every rank logs, per step, the global mean loss and the sample ids it trained on to
 ``<dir>/<run>.rank<R>.jsonl``. With ``--kill-at S`` rank 1 SIGKILLs itself after step S on
-the first attempt; torchrun (``--max-restarts 1``) then restarts the job, which restores
+the first attempt; torchrun (``--max-restarts 3``) then restarts the job, which restores
 the newest checkpoint and carries on.
 """
 
