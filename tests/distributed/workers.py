@@ -199,6 +199,56 @@ def save_errors(rank, world, args):
     return out
 
 
+def _train_state(seed=0):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    if dist.get_world_size() > 1:
+        model = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sampler = shardfmt.ResumableSampler(100, seed=5)
+    return {"model": model, "optim": opt, "sched": sched, "sampler": sampler}
+
+
+@job
+def ckpt_save(rank, world, args):
+    """Drill b, first half: train 5 steps on this world size and save."""
+    state = _train_state()
+    ids = []
+    it = iter(state["sampler"])
+    for _ in range(5):
+        batch = [next(it) for _ in range(4)]
+        ids.extend(batch)
+        x = torch.randn(4, 8)
+        loss = state["model"](x).pow(2).mean()
+        state["optim"].zero_grad()
+        loss.backward()
+        state["optim"].step()
+        state["sched"].step()
+        state["sampler"].advance(4)
+    shardfmt.Checkpointer(args["root"]).save(5, state)
+    inner = state["model"].module if hasattr(state["model"], "module") else state["model"]
+    exp_avg = state["optim"].state[inner.weight]["exp_avg"]
+    return {"ids": ids, "lr": state["sched"].get_last_lr()[0], "exp_avg": exp_avg.flatten().tolist()}
+
+
+@job
+def ckpt_restore(rank, world, args):
+    """Drill b, second half: restore on another world size and read the rest of the epoch."""
+    import warnings
+
+    state = _train_state(seed=99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = shardfmt.Checkpointer(args["root"]).restore(state)
+    inner = state["model"].module if hasattr(state["model"], "module") else state["model"]
+    exp_avg = state["optim"].state[inner.weight]["exp_avg"]
+    return {"step": step, "ids": list(state["sampler"]), "lr": state["sched"].get_last_lr()[0],
+            "exp_avg": exp_avg.flatten().tolist(), "warnings": [str(w.message) for w in caught]}
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)
