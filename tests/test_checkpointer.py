@@ -121,3 +121,32 @@ def test_dead_staging_dirs_expire_live_ones_stay(tmp_path):
     assert ck.latest().endswith("step_000000001")
     removed = ck.collect_garbage()
     assert removed == [str(dead)] and live.exists()
+
+
+@pytest.mark.slow
+def test_two_jobs_saving_into_one_root_keep_every_checkpoint_valid(tmp_path):
+    """Drill f: two processes save into the same root at once; all their checkpoints are valid."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys, torch, shardfmt
+        root, first = sys.argv[1], int(sys.argv[2])
+        ck = shardfmt.Checkpointer(root, keep_last=100, lease_seconds=2)
+        class Big:
+            def state_dict(self):
+                return {"w": torch.full((1024, 1024), float(first))}
+            def load_state_dict(self, sd):
+                pass
+        for step in range(first, first + 12, 2):
+            ck.save(step, {"big": Big()})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(first)]) for first in (1, 2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ck = Checkpointer(str(tmp_path))
+    infos = ck.list()
+    assert [i.step for i in infos] == list(range(1, 13)) and all(i.status == "committed" for i in infos)
+    for i in infos:
+        assert shardfmt.validate(i.path, deep=True).ok
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]

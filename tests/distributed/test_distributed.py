@@ -1,6 +1,7 @@
 """Distributed save and resharding load with real processes (gloo on 127.0.0.1)."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -188,3 +189,39 @@ def test_checkpointer_resumes_on_another_world_size(tmp_path, new_world):
         assert r["lr"] == saved[0]["lr"] == 0.1 / 6
         assert r["exp_avg"] == saved[0]["exp_avg"]
         assert any("RNG states were saved by 2 ranks" in w for w in r["warnings"])
+
+
+def test_torn_save_is_ignored_and_collected_after_its_lease(tmp_path):
+    """Drill c: every rank SIGKILLed mid-save; restore uses the previous checkpoint."""
+    root = str(tmp_path / "root")
+    results = launch("ckpt_torn", 2, {"root": root}, out_dir=str(tmp_path / "o"), timeout=120)
+    assert all(r.returncode == -9 for r in results), [(r.returncode, r.stderr[-500:]) for r in results]
+    torn = [n for n in os.listdir(root) if ".tmp-" in n]
+    assert len(torn) == 1 and os.listdir(os.path.join(root, torn[0], "data"))
+    restored = check_all_ok(launch("ckpt_restore_rows", 2, {"root": root}, out_dir=str(tmp_path / "r")))
+    assert [r["step"] for r in restored] == [1, 1] and [r["value"] for r in restored] == [1.0, 1.0]
+    ck = shardfmt.Checkpointer(root)
+    assert ck.collect_garbage() == []  # the lease is still fresh: could be a live save
+    assert ck.collect_garbage(now=time.time() + 3600) == [os.path.join(root, torn[0])]
+    assert [i.step for i in ck.list()] == [1]
+
+
+def test_corruption_one_rank_sees_makes_every_rank_fall_back(tmp_path):
+    """Drill d: a flipped byte in rank 1's rows; both ranks restore step 1 together."""
+    root = str(tmp_path / "root")
+    check_all_ok(launch("ckpt_two_steps", 2, {"root": root}, out_dir=str(tmp_path / "o")))
+    newest = os.path.join(root, "step_000000002")
+    m = shardfmt.read_manifest(newest)
+    shard = next(s for s in m.tensors["rows.w"].shards if s.offsets[0] == 64)  # rank 1's rows
+    f = os.path.join(newest, shard.file)
+    with open(f, "r+b") as fh:
+        fh.seek(shard.byte_range[0] + 100)
+        b = fh.read(1)
+        fh.seek(shard.byte_range[0] + 100)
+        fh.write(bytes([b[0] ^ 0x10]))
+    restored = check_all_ok(launch("ckpt_restore_rows", 2, {"root": root}, out_dir=str(tmp_path / "r")))
+    assert [r["step"] for r in restored] == [1, 1]
+    assert [r["value"] for r in restored] == [1.0, 1.0]
+    for r in restored:
+        assert any("step_000000002" in w and shard.file in w and "rank 1" in w for w in r["warnings"]), r
+    assert any(n.startswith("step_000000002.corrupt-") for n in os.listdir(root))

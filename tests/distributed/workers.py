@@ -249,6 +249,63 @@ def ckpt_restore(rank, world, args):
             "exp_avg": exp_avg.flatten().tolist(), "warnings": [str(w.message) for w in caught]}
 
 
+class RowShard:
+    """A user object holding this rank's rows of a matrix (only this rank reads them back)."""
+
+    def __init__(self, rank, world, fill):
+        self.rank, self.world = rank, world
+        self.local = torch.full((64, 256), float(fill))
+
+    def state_dict(self):
+        return {"w": shardfmt.ShardedTensor(self.local, (64 * self.world, 256), (64 * self.rank, 0))}
+
+    def load_state_dict(self, sd):
+        pass  # filled in place
+
+
+@job
+def ckpt_torn(rank, world, args):
+    """Drill c: step 1 saved; during step 2's save every rank dies after writing its file."""
+    import signal
+
+    import shardfmt.distributed as D
+    import shardfmt.writer as W
+
+    ck = shardfmt.Checkpointer(args["root"])
+    ck.save(1, {"rows": RowShard(rank, world, 1)})
+
+    def dying(orig):
+        def wrapped(*a, **k):
+            out = orig(*a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+        return wrapped
+
+    D.write_shard_file = dying(D.write_shard_file)
+    W.write_shard_file = dying(W.write_shard_file)
+    ck.save(2, {"rows": RowShard(rank, world, 2)})
+    return {}
+
+
+@job
+def ckpt_two_steps(rank, world, args):
+    ck = shardfmt.Checkpointer(args["root"])
+    ck.save(1, {"rows": RowShard(rank, world, 1)})
+    ck.save(2, {"rows": RowShard(rank, world, 2)})
+    return {}
+
+
+@job
+def ckpt_restore_rows(rank, world, args):
+    import warnings
+
+    rows = RowShard(rank, world, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = shardfmt.Checkpointer(args["root"]).restore({"rows": rows})
+    return {"step": step, "value": rows.local[0, 0].item(), "warnings": [str(w.message) for w in caught]}
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)
