@@ -238,6 +238,9 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, allow_mismatch: bool = False) -> int | None:
         """Restore the newest valid checkpoint into ``state``; return its step (None: none)."""
+        for obj in state.values():
+            if _is_module(obj) and any(t.is_meta for t in list(obj.parameters()) + list(obj.buffers())):
+                obj.to_empty(device="cpu")  # a model built on the meta device gets real storage to load into
         rank = self._rank()
         infos = self.list() if rank == 0 else []
         choice = self._broadcast({"candidates": [[i.step, i.path] for i in reversed(infos) if i.status == "committed"],

@@ -150,3 +150,16 @@ def test_two_jobs_saving_into_one_root_keep_every_checkpoint_valid(tmp_path):
     for i in infos:
         assert shardfmt.validate(i.path, deep=True).ok
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_optimizer_without_a_step_and_meta_model(tmp_path):
+    state = make()
+    Checkpointer(str(tmp_path)).save(0, state)  # the optimizer has no state yet: created lazily
+    with torch.device("meta"):
+        meta_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    assert Checkpointer(str(tmp_path)).restore({"model": meta_model}) == 0
+    for a, b in zip(meta_model.state_dict().values(), state["model"].state_dict().values()):
+        assert not a.is_meta and torch.equal(a, b)
+    fresh = make()
+    assert Checkpointer(str(tmp_path)).restore(fresh) == 0
+    assert fresh["sched"].last_epoch == 0 and fresh["sampler"].consumed == 0
