@@ -92,6 +92,7 @@ class Executor:
         self.src_dtypes = src_dtypes
         self.targets = targets
         self.workers = workers
+        self._local = threading.local()
 
     def run(self, plan: LoadPlan) -> None:
         readers = _Readers(self.storage, self.root, self.files)
@@ -143,11 +144,19 @@ class Executor:
                 segments.append(memoryview(bytearray(end - pos)))
             self._read(reader, read, segments, verify)
             return
-        buf = torch.empty(end - start, dtype=torch.uint8)
+        buf = self._bounce(end - start)
         self._read(reader, read, [byte_view(buf)], verify)
         for it in read.items:
             src = _src_view(buf, it.src_start - start, it, self.src_dtypes[it.target])
             _dst_view(self.targets[it.target], it).copy_(src)
+
+    def _bounce(self, n: int) -> torch.Tensor:
+        """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for
+        every read (allocating per read lets the C allocator keep the freed blocks: RSS creeps)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < n:
+            buf = self._local.buf = torch.empty(n, dtype=torch.uint8)
+        return buf[:n]
 
     def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool) -> None:
         """Read the segments in cache-sized pieces, hashing each piece as soon as it lands."""

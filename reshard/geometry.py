@@ -97,6 +97,12 @@ def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def is_run(shape: Sequence[int], sub: Box) -> bool:
+    """Whether ``sub`` is one contiguous run of a row-major array of ``shape``."""
+    k = next((d for d, n in enumerate(sub.lengths) if n > 1), len(sub.lengths))
+    return all(sub.lengths[d] == shape[d] for d in range(k + 1, len(shape)))
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """One contiguous read: bytes ``[start, end)`` of an array hold ``box`` (local coords).

@@ -23,10 +23,19 @@ from shardfmt.errors import PlanError, ShapeError
 from shardfmt.hashing import chunk_span
 from shardfmt.manifest import Manifest, ShardRecord
 
-from .geometry import Box, ByteRange, box_spans, intersect, row_major_strides, tiling_problems
+from .geometry import (
+    Box,
+    ByteRange,
+    box_spans,
+    intersect,
+    is_run,
+    row_major_strides,
+    tiling_problems,
+)
 
 DEFAULT_MAX_GAP = 1 << 20  # local disk: reading 1 MiB of gap beats a second request
 DEFAULT_MAX_READ = 64 << 20
+DEFAULT_MAX_BOUNCE_READ = 8 << 20  # reads through a bounce buffer: bounds its memory (x workers)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,10 +132,17 @@ def plan_load(
     verify: bool = True,
     max_gap: int = DEFAULT_MAX_GAP,
     max_read: int = DEFAULT_MAX_READ,
+    bounce: frozenset[int] = frozenset(),
+    max_bounce_read: int = DEFAULT_MAX_BOUNCE_READ,
 ) -> LoadPlan:
-    """Return the reads and copies that fill every target from the manifest's shards."""
+    """Return the reads and copies that fill every target from the manifest's shards.
+
+    Targets whose index is in ``bounce`` will be filled through a bounce buffer (strided,
+    cast or device targets): their reads are kept to ``max_bounce_read`` bytes so the
+    buffers stay small; the others land in place and may use ``max_read``.
+    """
     indexes: dict[str, _ShardIndex] = {}
-    per_file: dict[str, list[CopyItem]] = {}
+    per_file: dict[tuple[str, bool], list[CopyItem]] = {}
     used: dict[tuple[str, str], tuple[str, ShardRecord]] = {}
     needed = 0
     for t in targets:
@@ -154,10 +170,13 @@ def plan_load(
         for shard, inter in hits:
             used[(shard.file, shard.key)] = (t.fqn, shard)
             local = inter.relative_to(Box(shard.offsets, shard.lengths))
+            # strided pieces (a column slice) are gathered through a buffer too: keep those reads small
+            is_bounce = t.index in bounce or not is_run(shard.lengths, local)
+            cap = max_bounce_read if is_bounce else max_read
             strides = row_major_strides(shard.lengths)
             base = shard.byte_range[0]
-            items = per_file.setdefault(shard.file, [])
-            for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=max_read):
+            items = per_file.setdefault((shard.file, is_bounce), [])
+            for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=cap):
                 items.append(CopyItem(
                     target=t.index,
                     src_start=base + span.start,
@@ -168,8 +187,9 @@ def plan_load(
                                       for d in range(t.box.ndim)),
                 ))
     reads: list[PhysicalRead] = []
-    for fname in sorted(per_file):
-        reads.extend(_group(fname, per_file[fname], manifest, verify=verify, max_gap=max_gap, max_read=max_read))
+    for fname, is_bounce in sorted(per_file):
+        reads.extend(_group(fname, per_file[(fname, is_bounce)], manifest, verify=verify, max_gap=max_gap,
+                            max_read=max_bounce_read if is_bounce else max_read))
     return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify,
                     shards=tuple(used[k] for k in sorted(used)))
 

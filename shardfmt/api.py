@@ -27,6 +27,7 @@ from .errors import DTypeError, MissingKeyError, ShapeError, StateDictError
 from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
+from .tensor_bytes import is_direct
 from .writer import CheckpointWriter, ShardData
 
 
@@ -304,7 +305,9 @@ def load(
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
-    plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read)
+    bounce = frozenset(t.index for t in targets
+                       if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index]))
+    plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce)
     before = ckpt.storage.stats.snapshot()
     if verify:
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
