@@ -141,6 +141,7 @@ def plan_load(
     cast or device targets): their reads are kept to ``max_bounce_read`` bytes so the
     buffers stay small; the others land in place and may use ``max_read``.
     """
+    max_bounce_read = min(max_bounce_read, max_read)
     indexes: dict[str, _ShardIndex] = {}
     per_file: dict[tuple[str, bool], list[CopyItem]] = {}
     used: dict[tuple[str, str], tuple[str, ShardRecord]] = {}
