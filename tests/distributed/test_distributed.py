@@ -225,3 +225,17 @@ def test_corruption_one_rank_sees_makes_every_rank_fall_back(tmp_path):
     for r in restored:
         assert any("step_000000002" in w and shard.file in w and "rank 1" in w for w in r["warnings"]), r
     assert any(n.startswith("step_000000002.corrupt-") for n in os.listdir(root))
+
+
+def test_fsdp2_model_through_the_checkpointer_reshards(tmp_path):
+    """FSDP2 (DTensor Shard(0)) model + optimizer saved on 2 ranks, restored on 2 ranks and as
+    a plain model in 1 process."""
+    root = str(tmp_path / "root")
+    saved = check_all_ok(launch("fsdp_save", 2, {"root": root}, out_dir=str(tmp_path / "s")))
+    again = check_all_ok(launch("fsdp_restore", 2, {"root": root}, out_dir=str(tmp_path / "r2")))
+    single = check_all_ok(launch("fsdp_restore", 1, {"root": root}, out_dir=str(tmp_path / "r1")))
+    for r in again + single:
+        assert r["step"] == 3 and r["params"] == saved[0]["params"]
+    m = shardfmt.read_manifest(os.path.join(root, "step_000000003"))
+    assert m.tensors["model.0.weight"].placement.placements == (("shard", 0),)
+    assert len(m.tensors["optim.state.0.weight.exp_avg"].shards) == 2

@@ -306,6 +306,47 @@ def ckpt_restore_rows(rank, world, args):
     return {"step": step, "value": rows.local[0, 0].item(), "warnings": [str(w.message) for w in caught]}
 
 
+def _fsdp_state(seed, world):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def _full_params(model):
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).flatten().tolist()
+    return out
+
+
+@job
+def fsdp_save(rank, world, args):
+    model, opt = _fsdp_state(0, world)
+    for _ in range(3):
+        loss = model(torch.randn(4, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    shardfmt.Checkpointer(args["root"]).save(3, {"model": model, "optim": opt})
+    return {"params": _full_params(model)}
+
+
+@job
+def fsdp_restore(rank, world, args):
+    model, opt = _fsdp_state(1, world)
+    step = shardfmt.Checkpointer(args["root"]).restore({"model": model, "optim": opt})
+    return {"step": step, "params": _full_params(model)}
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)
