@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as dt
+import functools
 import gc
 import json
 import math
@@ -318,7 +319,7 @@ def install_profiler() -> None:
     _wrap(w.CheckpointWriter, "build_manifest", "save.build_manifest(rank0)")
     _wrap(commit, "publish", "save.publish(rank0)")
     _wrap(man, "parse_manifest", "save.parse_manifest")
-    _wrap(w.hashing.ChunkHasher, "update", "save.hash(sum over threads)")
+    _wrap(w.hashing.ChunkHasher, "update", "hash: ChunkHasher.update(sum over threads)")
     # load: open -> flatten/targets -> plan -> headers -> execute (threads: read, verify)
     _wrap(api, "open_checkpoint", "load.open_checkpoint")
     _wrap(api, "flatten", "load.flatten")
@@ -326,7 +327,7 @@ def install_profiler() -> None:
     _wrap(api, "check_headers", "load.check_headers")
     _wrap(ex.Executor, "run", "load.execute")
     _wrap(ex.Executor, "_read", "load.exec.read(sum over threads)")
-    _wrap(ex.Executor, "_verify", "load.exec.verify(sum over threads)")
+    _wrap(ex.Executor, "_verify", "load.exec._verify(sum over threads)")
 
 
 # ----------------------------------------------------------------------------- worker
@@ -524,10 +525,10 @@ def _verify(locals_, expected_fn, what: str) -> None:
             raise AssertionError(f"{what}: tensor {i} differs from the saved data")
 
 
-def _sf_load(state, path):
+def _sf_load(state, path, **kw):
     import shardfmt
 
-    rep = shardfmt.load(state, path)
+    rep = shardfmt.load(state, path, **kw)
     return {"sf_bytes_read": rep.bytes_read, "sf_bytes_needed": rep.bytes_needed,
             "sf_read_requests": rep.read_requests}
 
@@ -558,11 +559,15 @@ def run_loads(ctx: Ctx, scenario: str, spec, locals_, state, ckpts: dict, floor_
         "dcp": lambda: _dcp_load(state, ckpts["dcp"], no_dist),
         "floor": lambda: floor_read(floor_reads) or {},
     }
+    paths = dict(ckpts)
+    for name, kw in ctx.args.get("variants", {}).items():  # informational shardfmt.load(**kw) variants
+        fns[name] = functools.partial(_sf_load, state, ckpts["shardfmt"], **kw)
+        paths[name] = ckpts["shardfmt"]
     for rep in range(-warmup, repeats):
-        for m in rotate(METHODS, rep):
+        for m in rotate(list(fns), rep):
             for t in locals_:
                 t.zero_()
-            ctx.measure(scenario, m, rep, fns[m], share=share, cold=[ckpts[m]])
+            ctx.measure(scenario, m, rep, fns[m], share=share, cold=[paths[m]])
             if m != "floor":
                 _verify(locals_, expected_fn, f"{scenario} {m}")
     exact, rounded = needed_chunk_rounded(ckpts["shardfmt"], boxes)
@@ -591,8 +596,8 @@ def job_main(ctx: Ctx) -> None:
             f"rank, built in {time.perf_counter() - t0:.1f}s")
     base = a["base"]
     ck = {m: os.path.join(base, m) for m in METHODS}
-    big = "big" not in a.get("skip", [])
-    if big:
+    sel = set(a["scenarios"])
+    if sel & {"save", "same", "rowcol", "dim0", "to1"}:
         # ---- save
         def setup_for(m):
             def setup():
@@ -608,7 +613,9 @@ def job_main(ctx: Ctx) -> None:
             "dcp": lambda: _dcp_save(state, ck["dcp"]),
             "floor": lambda: floor_write(locals_, os.path.join(ck["floor"], f"rank_{rank}.bin")),
         }
-        for rep in range(-warmup, repeats):
+        # without "save" selected: one untimed save per method, for the loads
+        save_reps = range(-warmup, repeats) if "save" in sel else range(-1, 0)
+        for rep in save_reps:
             for m in rotate(METHODS, rep):
                 ctx.measure(f"save@{W}", m, rep, save_fns[m], share=share, setup=setup_for(m))
         if rank == 0:
@@ -616,7 +623,7 @@ def job_main(ctx: Ctx) -> None:
                                 "manifest": os.path.getsize(os.path.join(ck["shardfmt"], "manifest.json")),
                                 "dcp_metadata": os.path.getsize(os.path.join(ck["dcp"], ".metadata")),
                                 "bytes": {m: dir_bytes(ck[m]) for m in METHODS}})
-        # ---- same-topology loads
+    if "same" in sel:
         targets = [torch.zeros_like(t) for t in locals_]
         tstate = _dtensors(mesh, targets, spec, Shard(0))
         boxes = [(f, Box((rank * r // W, 0), (r // W, c))) for f, r, c in spec]
@@ -624,7 +631,7 @@ def job_main(ctx: Ctx) -> None:
                   floor_reads_rows(spec, ck["floor"], W, W, rank, targets), lambda i: locals_[i], boxes,
                   warmup=warmup, repeats=repeats)
         del tstate, targets
-        # ---- row -> column
+    if "rowcol" in sel:
         targets = [torch.zeros(r, c // W) for _, r, c in spec]
         tstate = _dtensors(mesh, targets, spec, Shard(1))
         boxes = [(f, Box((0, rank * c // W), (r, c // W))) for f, r, c in spec]
@@ -636,7 +643,7 @@ def job_main(ctx: Ctx) -> None:
     state = locals_ = save_fns = None  # free the big state before the small one
     gc.collect()
     malloc_trim()
-    if a["small_tensors"] > 0 and "small" not in a.get("skip", []):
+    if a["small_tensors"] > 0 and "small" in sel and W in a["small_ranks"]:
         job_small(ctx, mesh)
 
 
@@ -702,10 +709,10 @@ def job_small(ctx: Ctx, mesh) -> None:
                 raise AssertionError(f"small {m}: {k} differs")
 
     names = ["shardfmt", "dcp"]
-    for rep in range(-a["warmup"], a["repeats"]):
+    for rep in range(-a["small_warmup"], a["repeats"]):
         for m in rotate(names, rep):
             ctx.measure(f"small-save@{W}", m, rep, save_fns[m], share=share, setup=setup_for(m))
-    for rep in range(-a["warmup"], a["repeats"]):
+    for rep in range(-a["small_warmup"], a["repeats"]):
         for m in rotate(names, rep):
             for v in targets.values():
                 (v.to_local() if hasattr(v, "to_local") else v).zero_()
@@ -784,6 +791,20 @@ def worker_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def code_fingerprint() -> str:
+    """xxh3 of every .py under shardfmt/ and reshard/ (the code the workers import)."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for d in ("shardfmt", "reshard"):
+        for f in sorted(files_under(os.path.join(ROOT, d))):
+            if f.endswith(".py"):
+                h.update(f.encode())
+                with open(f, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
 
 
 def free_port() -> int:
@@ -958,7 +979,7 @@ def print_summary(summary, targets, meta) -> None:
     print("read/rank: median rchar per rank in GB (max over ranks); sf read: LoadReport.bytes_read (max over ranks); "
           "needed / needed~chunks per rank (max over ranks)")
     print("RSS+: max over repeats and ranks of (peak VmRSS - VmRSS before) / rank's share (and in MiB)")
-    hdr = (f"{'scenario':<15} {'method':<9} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'x DCP':>7} {'read/rank':>10} "
+    hdr = (f"{'scenario':<15} {'method':<26} {'median s':>9} {'GB/s':>7} {'x floor':>8} {'x DCP':>7} {'read/rank':>10} "
            f"{'sf read':>8} {'needed':>8} {'~chunks':>8} {'RSS+':>7} {'RSS+MiB':>8} {'cpu s/rk':>8}  runs (s)")
     print(hdr)
     print("-" * (len(hdr) + 16))
@@ -968,11 +989,11 @@ def print_summary(summary, targets, meta) -> None:
         pr = r["per_rank"].values()
         xf = f"{fl['seconds'] / r['seconds']:.3f}" if fl else "-"
         xd = f"{r['seconds'] / dc['seconds']:.3f}" if dc else "-"
-        sfr = max((v["sf_bytes_read"] or 0) for v in pr) if m == "shardfmt" and "save" not in sc else None
+        sfr = max((v["sf_bytes_read"] or 0) for v in pr) if m.startswith(("shardfmt", "sf[")) and "save" not in sc else None
         need = max((v["needed"] or 0) for v in pr) or None
         needc = max((v["needed_chunks"] or 0) for v in pr) or None
         rd = max(v["rchar"] for v in pr) if "save" not in sc else None
-        print(f"{sc:<15} {m:<9} {r['seconds']:9.3f} {r['gbps']:7.3f} {xf:>8} {xd:>7} {fmt_b(rd):>10} {fmt_b(sfr):>8} "
+        print(f"{sc:<15} {m:<26} {r['seconds']:9.3f} {r['gbps']:7.3f} {xf:>8} {xd:>7} {fmt_b(rd):>10} {fmt_b(sfr):>8} "
               f"{fmt_b(need):>8} {fmt_b(needc):>8} {max(v['rss_frac_max'] for v in pr):7.1%} "
               f"{max(v['rss_frac_max'] * v['share'] for v in pr) / MIB:8.1f} "
               f"{max(v['cpu_s'] for v in pr):8.2f}  {' '.join(f'{s:.3f}' for s in r['all_seconds'])}")
@@ -996,12 +1017,12 @@ def print_summary(summary, targets, meta) -> None:
                          f"{v['sf_bytes_read'] / v['needed']:.3f}x needed"
                 c += ")"
             cells.append(c)
-        print(f"  {r['scenario']:<15} {r['method']:<9} " + "; ".join(cells))
+        print(f"  {r['scenario']:<15} {r['method']:<26} " + "; ".join(cells))
     print()
     print("shardfmt phases (median seconds per rank; nested: write_rank includes hashing, execute includes "
           "read+verify; 'sum over threads' can exceed wall):")
     for r in summary["rows"]:
-        if r["method"] != "shardfmt":
+        if not r["method"].startswith(("shardfmt", "sf[")):
             continue
         print(f"  {r['scenario']:<15} total {r['seconds']:.3f}s")
         labels = sorted({k for ph in r["phases"].values() for k in ph})
@@ -1018,6 +1039,16 @@ def print_summary(summary, targets, meta) -> None:
           f"{max((c for *_, c in cb), default=0.0):.1%}")
 
 
+def _parse_value(x: str):
+    """'4' -> 4, '8M' -> 8 MiB, '1K' -> 1 KiB, 'True'/'False' -> bool, else the string."""
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if x[:-1].isdigit() and x[-1] in mult:
+        return int(x[:-1]) * mult[x[-1]]
+    if x.lstrip("-").isdigit():
+        return int(x)
+    return {"True": True, "False": False}.get(x, x)
+
+
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
         sys.path.insert(0, ROOT)
@@ -1030,20 +1061,34 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="2,4", help="world sizes of the save/same-topology jobs (default 2,4)")
     p.add_argument("--reshard-to", type=int, default=4, help="world of the dim-0 reshard from 2 ranks (default 4)")
     p.add_argument("--small-tensors", type=int, default=50000, help="tensors in the small state (0: skip)")
-    p.add_argument("--skip", default="", help="comma list of: big, small, dim0, to1")
+    p.add_argument("--scenarios", default="save,same,rowcol,small,dim0,to1",
+                   help="comma list of: save, same, rowcol, small, dim0, to1 (default all)")
+    p.add_argument("--small-ranks", default="2", help="world sizes that run the small state (default 2)")
+    p.add_argument("--small-warmup", type=int, default=0,
+                   help="untimed rounds before the small-state repeats (default 0: the big phases warmed up)")
+    p.add_argument("--variants", default="",
+                   help="extra, informational shardfmt.load variants in every load scenario, "
+                        "';'-separated kwargs lists, e.g. 'workers=2;max_read=8M,workers=2'")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp, removed after)")
     p.add_argument("--json", default=None, help="write raw records and the summary to this file")
     p.add_argument("--no-profile", action="store_true", help="do not wrap shardfmt's phases with timers")
     p.add_argument("--job-timeout", type=float, default=1500.0)
     args = p.parse_args(argv)
     worlds = [int(x) for x in args.ranks.split(",") if x]
-    skip = [x for x in args.skip.split(",") if x]
+    scen = [x for x in args.scenarios.split(",") if x]
+    variants = {}
+    for v in filter(None, args.variants.split(";")):
+        kw = {k: _parse_value(x) for k, x in (p.split("=") for p in v.split(","))}
+        variants[f"sf[{v}]"] = kw
     scratch = args.dir or tempfile.mkdtemp(prefix="shardfmt-dbench-", dir="/tmp")
     own = args.dir is None
     os.makedirs(scratch, exist_ok=True)
     spec = make_spec(args.size_mib)
     common = {"size_mib": args.size_mib, "repeats": args.repeats, "warmup": args.warmup,
-              "small_tensors": args.small_tensors, "profile": not args.no_profile, "skip": skip}
+              "small_tensors": args.small_tensors, "profile": not args.no_profile, "scenarios": scen,
+              "small_ranks": [int(x) for x in args.small_ranks.split(",") if x], "small_warmup": args.small_warmup,
+              "variants": variants}
+    code0 = code_fingerprint()
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     print(f"state: {len(spec)} fp32 tensors, {spec_bytes(spec) / 1e9:.3f} GB; worlds {worlds}; scratch {scratch}",
@@ -1054,24 +1099,31 @@ def main(argv=None) -> int:
             base = os.path.join(scratch, f"w{W}")
             records += launch("main", W, dict(common, base=base, label=f"main@{W}"),
                               os.path.join(scratch, "logs", f"main{W}"), args.job_timeout)
-            if W == 2 and "big" not in skip:
-                if "dim0" not in skip:
+            if W == 2:
+                if "dim0" in scen:
                     sc = f"dim0 2->{args.reshard_to}"
                     records += launch("load", args.reshard_to,
                                       dict(common, src=base, src_world=2, scenario=sc, label=sc),
                                       os.path.join(scratch, "logs", "dim0"), args.job_timeout)
-                if "to1" not in skip:
+                if "to1" in scen:
                     records += launch("load", 1, dict(common, src=base, src_world=2, scenario="2->1", label="2->1"),
                                       os.path.join(scratch, "logs", "to1"), args.job_timeout)
             remove(base)
     finally:
         if own:
             shutil.rmtree(scratch, ignore_errors=True)
+    code1 = code_fingerprint()
+    if code1 != code0:
+        print(f"\nWARNING: shardfmt/reshard sources changed during the run ({code0} -> {code1}): "
+              "jobs may have run different code", flush=True)
     summary = summarize(records)
     targets = targets_of(summary, worlds, args.reshard_to)
-    meta = {"state_bytes": spec_bytes(spec), "tensors": len(spec), "repeats": args.repeats, "warmup": args.warmup}
+    meta = {"state_bytes": spec_bytes(spec), "tensors": len(spec), "repeats": args.repeats, "warmup": args.warmup,
+            "code_before": code0, "code_after": code1}
     print_summary(summary, targets, meta)
     wall = time.perf_counter() - t0
+    print(f"code fingerprint (shardfmt/ + reshard/ sources): {code0}"
+          + ("" if code0 == code1 else f" -> {code1} (CHANGED during the run)"))
     print(f"\nwall {wall:.0f}s; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
           "(the machine is shared: a high value means noisy figures)")
     if args.json:
