@@ -1033,6 +1033,12 @@ def print_summary(summary, targets, meta) -> None:
     print()
     for t in targets:
         print(f"  {'PASS' if t['pass'] else 'MISS'}  {t['target']:<86} measured {t['shown']}")
+    for r in summary["rows"]:
+        if r["method"] == "dcp" and "save" not in r["scenario"]:
+            fl = row(summary, r["scenario"], "floor")
+            if fl:
+                print(f"  info  {r['scenario']}: read floor time / DCP time = {fl['seconds'] / r['seconds']:.3f} "
+                      "(what a reader exactly at the floor would score against DCP)")
     cb = [(r["scenario"], r["method"], max(v["cached_before_max"] for v in r["per_rank"].values()))
           for r in summary["rows"] if "save" not in r["scenario"]]
     print("  page cache residency before cold loads (should be ~0%): max "

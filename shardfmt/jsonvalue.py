@@ -1,4 +1,4 @@
-"""Typed JSON for non-tensor values: exact round trips without pickle.
+"""Typed JSON for non-tensor values: exact round trips, and never any pickling.
 
 Plain JSON carries ``None``, ``bool``, ``str``, 64-bit ``int``, finite ``float``, lists and
 dicts with string keys. Everything else this module accepts is a one-key object whose
