@@ -49,9 +49,16 @@ _GROUPS: dict[tuple, Any] = {}  # (process group, timeout) -> gloo control group
 
 
 def control_group(process_group=None, timeout: _dt.timedelta | None = None):
-    """Return a gloo group over ``process_group``'s ranks with ``timeout`` (created once)."""
-    timeout = timeout or DEFAULT_TIMEOUT
+    """Return a gloo group over ``process_group``'s ranks with ``timeout`` (created once).
+
+    Without ``timeout`` a gloo ``process_group`` is used as it is (its own timeout applies).
+    """
     pg = process_group or dist.group.WORLD
+    if timeout is None and dist.get_backend(pg) == "gloo":
+        # Reuse the caller's gloo group: creating groups under a restarted torchrun job can
+        # meet store keys left by the previous attempt (a new group's keys are not per attempt).
+        return pg
+    timeout = timeout or DEFAULT_TIMEOUT
     key = (id(pg), timeout.total_seconds())
     g = _GROUPS.get(key)
     if g is None:
