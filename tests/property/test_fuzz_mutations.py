@@ -27,20 +27,18 @@ is not ok and, when the damage lies in a chunk the load needs, load raises
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import traceback
 from typing import Any
 
 import orjson
 import pytest
 import torch
+from deadline import deadline
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
@@ -182,29 +180,6 @@ def _where(e: BaseException) -> str:
     ours = [f for f in tb if "/shardfmt/" in f.filename or "/reshard/" in f.filename]
     f = (ours or tb)[-1]
     return f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
-
-
-class Hang(BaseException):
-    """A validate or load that did not finish: not an Exception, so nothing swallows it."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: int, what: str):
-    """Turn a hang into a failure (SIGALRM; a no-op where that is unavailable)."""
-    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise Hang(f"{what} still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def run_checks(path: str, spec: dict, label: str = "") -> tuple[list, BaseException | None]:

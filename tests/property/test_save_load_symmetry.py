@@ -10,43 +10,18 @@ seconds (a tiny checkpoint that takes longer is a hang waiting for a bigger inpu
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import tempfile
-import threading
 from typing import Any
 
 import pytest
 import torch
+from deadline import deadline
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import shardfmt
 
 SECONDS = 5  # a tiny checkpoint validates and loads in milliseconds
-
-
-class Hang(BaseException):
-    """A call that did not finish in time: not an Exception, so nothing swallows it."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: int, what: str):
-    """Turn a hang into a failure (SIGALRM; a no-op where that is unavailable)."""
-    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_alarm(signum, frame):
-        raise Hang(f"{what} still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
