@@ -6,6 +6,7 @@ Public API only; the implementation lives in the submodules.
 __version__ = "0.1.0"
 
 from .api import LoadReport, load, save  # noqa: E402
+from .async_save import AsyncSave, Stager, async_save  # noqa: E402
 from .checkpointer import Checkpointer, CompatibilityError  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointExistsError,
@@ -35,6 +36,9 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "async_save",
+    "AsyncSave",
+    "Stager",
     "LoadReport",
     "read_manifest",
     "open_checkpoint",

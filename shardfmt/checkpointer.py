@@ -98,6 +98,8 @@ class Checkpointer:
         self.timeout = timeout
         self.lease_seconds = lease_seconds
         self.mesh = mesh
+        self._stager = None  # async saves' staging buffers, created on the first one
+        self._pending: list = []
 
     # ------------------------------------------------------------------ distributed helpers
     def _dist(self) -> bool:
@@ -152,8 +154,16 @@ class Checkpointer:
                      for name, sd in out.items() if _is_module(state[name])}
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: Mapping[str, Any], *, metadata: Any = None) -> str:
-        """Save ``state`` as ``root/step_<step>``; apply retention once it is committed."""
+    def save(self, step: int, state: Mapping[str, Any], *, metadata: Any = None, async_: bool = False,
+             policy: str = "wait", stage: str = "call"):
+        """Save ``state`` as ``root/step_<step>``; apply retention once it is committed.
+
+        Returns the checkpoint's path. With ``async_=True`` the call returns an ``AsyncSave``
+        handle once the state is snapshotted into this Checkpointer's reused host buffers;
+        writing, commit and retention run in the background (see ``shardfmt.async_save``
+        for ``policy`` and ``stage``). ``latest()`` names the new step only once committed;
+        ``wait()`` blocks until every background save has finished.
+        """
         sd, signature = self._state_dicts(state)
         samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
         if samplers and self._dist():
@@ -166,12 +176,57 @@ class Checkpointer:
                 "signature": signature, "entries": sorted(state), "world_size": self._world()}
         path = self.storage.join(self.root, step_dir_name(step))
         self.storage.makedirs(self.root)
-        save(sd, path if "://" not in self.root else self.root.rstrip("/") + "/" + step_dir_name(step),
-             step=step, metadata=meta, storage_options=self.storage_options,
-             process_group=self.process_group, timeout=self.timeout, mesh=self.mesh)
+        url = path if "://" not in self.root else self.root.rstrip("/") + "/" + step_dir_name(step)
+        common = dict(step=step, metadata=meta, storage_options=self.storage_options,
+                      process_group=self.process_group, timeout=self.timeout, mesh=self.mesh)
+        if async_:
+            from .async_save import Stager, async_save
+
+            if self._stager is None:
+                self._stager = Stager()
+            handle = async_save(sd, url, stager=self._stager, policy=policy, stage=stage,
+                                on_commit=self._after_async_commit, **common)
+            self._pending = [h for h in self._pending if not h.done()] + [handle]
+            return handle
+        self.wait()
+        save(sd, url, **common)
         if self._rank() == 0:
             self._apply_retention()
         return path
+
+    def _after_async_commit(self, manifest) -> None:
+        if self._rank() != 0:
+            return
+        try:
+            self._apply_retention()
+        except _FAILURES as e:  # the checkpoint is committed; a failed clean-up must not fail it
+            warnings.warn(f"{self.root}: retention after step {manifest.step} failed: {e}", stacklevel=2)
+
+    def wait(self) -> None:
+        """Block until every background save has finished; raise the first one's error."""
+        pending, self._pending = self._pending, []
+        errors = []
+        for h in pending:
+            try:
+                h.wait()
+            except _FAILURES as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Wait for background saves and drop the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _apply_retention(self) -> None:
         committed = [i for i in self.list() if i.status == "committed"]
@@ -238,6 +293,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, allow_mismatch: bool = False) -> int | None:
         """Restore the newest valid checkpoint into ``state``; return its step (None: none)."""
+        self.wait()
         for obj in state.values():
             if _is_module(obj) and any(t.is_meta for t in list(obj.parameters()) + list(obj.buffers())):
                 obj.to_empty(device="cpu")  # a model built on the meta device gets real storage to load into

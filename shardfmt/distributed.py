@@ -271,14 +271,73 @@ def save_distributed(
     state_dict: dict,
     path: str,
     *,
+    process_group=None,
+    timeout: _dt.timedelta | None = None,
+    check_replicas: bool = False,
+    **kwargs,
+):
+    """Save under an initialized process group; see the module docstring for the protocol."""
+    group = control_group(process_group, timeout)
+    prepared = prepare(state_dict, dist.get_rank(group))
+    return run_save(prepared, path, group=group, check_replicas=check_replicas, **kwargs)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """What a rank holds, described and ready to write: no collective, no I/O has run yet.
+
+    ``held`` maps fqn -> the rank's pieces (global box, local tensor view); ``desc`` is the
+    JSON description the ranks exchange (values already encoded, so they are a snapshot),
+    or an error payload when describing failed (reported to every rank by ``run_save``).
+    """
+
+    rank: int
+    held: dict[str, _Held]
+    desc: dict
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [data for h in self.held.values() for _, data in h.pieces]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> Prepared:
+        """The same description over other tensors (a snapshot), in ``tensors()`` order."""
+        it = iter(tensors)
+        held = {f: _Held(h.fqn, h.dtype, h.shape, h.placement, [(box, next(it)) for box, _ in h.pieces])
+                for f, h in self.held.items()}
+        return Prepared(self.rank, held, self.desc)
+
+
+def prepare(state_dict: dict, rank: int) -> Prepared:
+    """Describe ``state_dict`` on the caller's thread (steps 1 of the protocol)."""
+    try:
+        held, desc, _ = describe(state_dict, rank)
+        return Prepared(rank, held, {"ok": True, **desc})
+    except ShardfmtError as e:
+        return Prepared(rank, {}, _err_payload(rank, e))
+
+
+def _rank_world(group) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
+def _gather(data: bytes, group) -> list[bytes]:
+    return [data] if group is None else all_gather_bytes(data, group)
+
+
+def _bcast(data: bytes | None, group) -> bytes:
+    return data if group is None else broadcast_bytes(data, 0, group)
+
+
+def run_save(
+    prepared: Prepared,
+    path: str,
+    *,
+    group,
     step: int | None = None,
     metadata: Any = None,
     overwrite: bool = False,
     storage_options: dict | None = None,
     chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
     sync: bool = True,
-    process_group=None,
-    timeout: _dt.timedelta | None = None,
     mesh: Mapping[str, int] | None = None,
     check_replicas: bool = False,
     storage=None,
@@ -287,28 +346,22 @@ def save_distributed(
     _writer_versions: Mapping[str, str] | None = None,
     _on_step=None,
 ):
-    """Save under an initialized process group; see the module docstring for the protocol."""
+    """Steps 2-7 of the protocol on ``group`` (None: a world of one, no collectives)."""
     from .storage import get_storage
 
-    group = control_group(process_group, timeout)
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
-    topo = _topology(mesh, world)  # a bad mesh fails every rank before anything is written
+    rank, world = _rank_world(group)
+    topo = _topology(mesh, world) if group is not None or mesh else Topology(world_size=1)
     if storage is None:
         storage, path = get_storage(path, storage_options)
 
-    # 1-2) describe and gather
-    try:
-        held, desc, _ = describe(state_dict, rank)
-        payload = {"ok": True, **desc}
-        if check_replicas:
-            payload["replica_digests"] = {
-                f"{h.fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
-                for h in held.values() for box, data in h.pieces}
-    except ShardfmtError as e:
-        payload = _err_payload(rank, e)
-        held = {}
-    blobs = _collective(lambda: all_gather_bytes(orjson.dumps(payload), group), "gathering save plans", rank)
+    # 1-2) gather the descriptions
+    held = prepared.held
+    payload = prepared.desc
+    if check_replicas and payload.get("ok"):
+        payload = {**payload, "replica_digests": {
+            f"{h.fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
+            for h in held.values() for box, data in h.pieces}}
+    blobs = _collective(lambda: _gather(orjson.dumps(payload), group), "gathering save plans", rank)
     descs = [orjson.loads(b) for b in blobs]
     _raise_from(descs, "describing the state")
     if check_replicas:
@@ -334,7 +387,7 @@ def save_distributed(
         blob = orjson.dumps(status)
     else:
         blob = None
-    status = orjson.loads(_collective(lambda: broadcast_bytes(blob, 0, group), "staging", rank))
+    status = orjson.loads(_collective(lambda: _bcast(blob, group), "staging", rank))
     _raise_from([status], "staging the checkpoint")
 
     # 5) every rank writes its file
@@ -351,8 +404,12 @@ def save_distributed(
             result = {"ok": True, "rank": rank, "file": None}
     except (ShardfmtError, OSError) as e:
         result = _err_payload(rank, e)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     try:
-        results = [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(result), group)]
+        results = [orjson.loads(b) for b in _gather(orjson.dumps(result), group)]
     except Exception as e:  # noqa: BLE001
         if writer is not None:
             writer.abort()
@@ -373,14 +430,18 @@ def save_distributed(
                     writer.add_file(_written_from_json(r["file"]), meta, frozenset(storage_names))
             _add_records(writer, descs)
             manifest = writer.commit(step=step, metadata=metadata, topology=topo)
+            if group is None:
+                return manifest
             outcome = {"ok": True, "rank": 0, "manifest": manifest.to_json().decode()}
         except BaseException as e:  # noqa: BLE001 - reported to every rank, then re-raised here
             writer.abort()
+            if group is None:
+                raise
             outcome = _err_payload(0, e)
         blob = orjson.dumps(outcome)
     else:
         blob = None
-    outcome = orjson.loads(_collective(lambda: broadcast_bytes(blob, 0, group), "committing", rank))
+    outcome = orjson.loads(_collective(lambda: _bcast(blob, group), "committing", rank))
     _raise_from([outcome], "committing")
     from .manifest import parse_manifest
 

@@ -1,0 +1,363 @@
+"""Async save: the caller blocks only for a snapshot; writing and committing run in the background.
+
+::
+
+    handle = shardfmt.async_save(state, "ckpt/step_100", step=100)   # returns after the snapshot
+    optimizer.step()                                                  # cannot change what is written
+    ...
+    manifest = handle.wait()                                          # re-raises the save's error
+
+1) on the caller's thread: the state is described (values are encoded to JSON here, so they
+   are a snapshot too) and every tensor piece the rank holds is copied into a ``Stager``'s
+   host buffers. The buffers are allocated on the first save and reused by every later one
+   (first-touch page faults make fresh memory 10-25x slower to fill than reused memory),
+   pinned when the state is on CUDA, where the copies run non-blocking on a side stream.
+2) on a background thread: the save protocol of ``shardfmt.distributed`` over the snapshot,
+   on a gloo group of its own (never the training's collectives), then the commit. A save
+   counts only once committed: until then ``Checkpointer.latest()`` is the previous one.
+
+One save at a time per stager: staging memory is one copy of the rank's state. A save
+asked for while the previous one is still writing either waits for it (``policy="wait"``,
+the default) or is skipped and logged (``policy="skip"``; under a process group the ranks
+agree, so either all skip or none does). ``stage="background"`` also moves the copy off the
+caller's thread: call ``handle.wait_staged()`` before the state changes again (before the
+next optimizer step), so the copy overlaps forward and backward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import hashing
+from .errors import CommitError, ShardfmtError, StateDictError
+from .manifest import Manifest
+
+log = logging.getLogger("shardfmt")
+
+POLICIES = ("wait", "skip")
+STAGES = ("call", "background")
+_ASYNC_GROUPS: dict[tuple, Any] = {}
+
+
+class Stager:
+    """Host-memory staging buffers for snapshots: one copy of a rank's state, reused across saves.
+
+    A buffer is kept per tensor piece (by position and dtype/shape) and reallocated only when
+    that piece's dtype or shape changes; buffers of pieces that disappear are dropped, so the
+    stager never holds more than the latest state's size.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self._pin = pin_memory
+        self._buffers: list[torch.Tensor] = []
+        self._stream = None
+        self._lock = threading.Lock()
+        self.inflight: AsyncSave | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    def _buffer(self, i: int, src: torch.Tensor, pin: bool) -> torch.Tensor:
+        if i < len(self._buffers):
+            b = self._buffers[i]
+            if b.dtype == src.dtype and b.shape == src.shape and b.is_pinned() == pin:
+                return b
+        b = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        if i < len(self._buffers):
+            self._buffers[i] = b
+        else:
+            self._buffers.append(b)
+        return b
+
+    def copy(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
+        """Start copying ``tensors`` into the staging buffers; return them and a wait-for-copies function.
+
+        CPU sources are copied before this returns. CUDA sources are copied non-blocking on a
+        side stream that first waits for the current stream (so it sees every queued write);
+        the returned function blocks until those copies have landed.
+        """
+        with self._lock:
+            del self._buffers[len(tensors):]
+            cuda = [t for t in tensors if t.device.type == "cuda"]
+            pin = bool(cuda) if self._pin is None else self._pin
+            out: list[torch.Tensor] = []
+            event = None
+            if cuda:
+                device = cuda[0].device
+                if self._stream is None or self._stream.device != device:
+                    self._stream = torch.cuda.Stream(device=device)
+                self._stream.wait_stream(torch.cuda.current_stream(device))
+            for i, t in enumerate(tensors):
+                t = _plain(t)
+                buf = self._buffer(i, t, pin and t.device.type == "cuda")
+                if t.device.type == "cuda":
+                    with torch.cuda.stream(self._stream):
+                        buf.copy_(t, non_blocking=True)
+                    t.record_stream(self._stream)  # the caller may free t: keep it until the copy ran
+                else:
+                    buf.copy_(t)
+                out.append(buf)
+            if cuda:
+                event = self._stream.record_event()
+            return out, (event.synchronize if event is not None else _nothing)
+
+    def release(self) -> None:
+        """Drop every buffer (the next save allocates them again)."""
+        with self._lock:
+            self._buffers.clear()
+
+
+def _nothing() -> None:
+    return None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.detach()
+
+
+class AsyncSave:
+    """The handle of one async save: ``wait()``, ``done()``, ``wait_staged()``."""
+
+    def __init__(self, path: str, *, skipped: bool = False) -> None:
+        self.path = path
+        self.skipped = skipped
+        self.blocked_seconds = 0.0      # how long the call kept the caller
+        self.staged_seconds: float | None = None   # from the call until the snapshot was complete
+        self.total_seconds: float | None = None    # from the call until the commit (or the failure)
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._manifest: Manifest | None = None
+        self._error: BaseException | None = None
+        self._stage_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if skipped:
+            self._staged.set()
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed)."""
+        return self._done.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the snapshot is complete: after this the state may change freely.
+
+        Raises when the snapshot itself failed (the save then fails on every rank).
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"{self.path}: snapshot not complete after {timeout} s")
+        if self._stage_error is not None:
+            raise self._stage_error
+
+    def wait(self, timeout: float | None = None) -> Manifest | None:
+        """Block until committed; return the manifest (None when skipped), or raise the save's error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"{self.path}: async save still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._manifest
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else "failed" if self._error else "committed" if self.done() else "running"
+        return f"AsyncSave({self.path!r}, {state})"
+
+
+_LIVE: weakref.WeakSet[AsyncSave] = weakref.WeakSet()
+_DEFAULT_STAGERS: dict[int, Stager] = {}
+
+
+def default_stager(process_group=None) -> Stager:
+    """The process-wide stager that ``async_save`` uses when none is given (one per group)."""
+    key = id(process_group)
+    s = _DEFAULT_STAGERS.get(key)
+    if s is None:
+        s = _DEFAULT_STAGERS[key] = Stager()
+    return s
+
+
+def _wait_all_at_exit() -> None:
+    for h in list(_LIVE):
+        try:
+            h.wait()
+        except BaseException as e:  # noqa: BLE001 - exiting: report, do not mask the exit
+            log.error("shardfmt: async save to %s failed: %s", h.path, e)
+
+
+atexit.register(_wait_all_at_exit)
+
+
+def async_group(process_group=None, timeout: _dt.timedelta | None = None):
+    """The gloo group the background saves of ``process_group`` run their collectives on.
+
+    Created once (a collective: every rank reaches its first async save in the same order)
+    and used only by background saves, so they never interleave with training collectives.
+    """
+    import torch.distributed as dist
+
+    from .distributed import DEFAULT_TIMEOUT
+
+    pg = process_group or dist.group.WORLD
+    timeout = timeout or DEFAULT_TIMEOUT
+    key = (id(pg), timeout.total_seconds())
+    g = _ASYNC_GROUPS.get(key)
+    if g is None:
+        ranks = dist.get_process_group_ranks(pg) if process_group is not None else None
+        g = _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    return g
+
+
+def _distributed(process_group) -> bool:
+    d = torch.distributed
+    return process_group is not None or (d.is_available() and d.is_initialized() and d.get_world_size() > 1)
+
+
+def _any_rank(flag: bool, process_group, timeout) -> bool:
+    """True on every rank when ``flag`` is true on any rank (a tiny all-reduce on the caller's thread)."""
+    import torch.distributed as dist
+
+    from .distributed import control_group
+
+    g = control_group(process_group, timeout)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError on a dead or frozen peer
+        raise CommitError(f"agreeing on whether to skip the save failed (a rank died, froze or timed out): {e}") \
+            from None
+    return bool(t.item())
+
+
+def async_save(
+    state_dict: dict,
+    path: str,
+    *,
+    step: int | None = None,
+    metadata: Any = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
+    sync: bool = True,
+    process_group=None,
+    timeout: _dt.timedelta | None = None,
+    mesh: Mapping[str, int] | None = None,
+    check_replicas: bool = False,
+    stager: Stager | None = None,
+    policy: str = "wait",
+    stage: str = "call",
+    on_commit: Callable[[Manifest], None] | None = None,
+    _save_id: str | None = None,
+    _on_step=None,
+) -> AsyncSave:
+    """Snapshot ``state_dict`` into host memory and save it in the background; see the module docstring.
+
+    Takes ``shardfmt.save``'s arguments, plus: ``stager`` (whose buffers to reuse; by default
+    one per process group), ``policy`` ("wait" or "skip") for a save asked for while the
+    previous one is still writing, ``stage`` ("call": the call copies; "background": the
+    background thread copies and ``wait_staged()`` says when it is done) and ``on_commit``,
+    called on the background thread with the manifest once committed (before ``wait()``
+    returns). Errors in the background are re-raised by ``wait()``.
+    """
+    from .distributed import Prepared, _err_payload, prepare, run_save
+
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    t0 = time.perf_counter()
+    stager = stager or default_stager(process_group)
+    distributed = _distributed(process_group)
+    prev = stager.inflight
+    busy = prev is not None and not prev.done()
+    if policy == "skip":
+        if distributed:
+            busy = _any_rank(busy, process_group, timeout)
+        if busy:
+            log.warning("shardfmt: skipping the save to %s: the previous save (%s) is still writing", path,
+                        prev.path if prev is not None else "on another rank")
+            h = AsyncSave(path, skipped=True)
+            h.blocked_seconds = time.perf_counter() - t0
+            return h
+    if prev is not None:
+        try:
+            prev.wait()
+        except BaseException as e:  # noqa: BLE001 - that save's handle reports it; this one goes on
+            log.warning("shardfmt: the previous async save to %s failed: %s", prev.path, e)
+
+    if distributed:
+        import torch.distributed as dist
+
+        group = async_group(process_group, timeout)
+        rank = dist.get_rank(group)
+    else:
+        group, rank = None, 0
+    prepared = prepare(state_dict, rank)
+    handle = AsyncSave(path)
+    stager.inflight = handle
+    _LIVE.add(handle)
+
+    def snapshot() -> None:
+        """Copy into the stager; a failure becomes an error payload, so every rank's save fails."""
+        nonlocal snap
+        try:
+            staged, wait_copies = stager.copy(prepared.tensors())
+            wait_copies()
+            snap = prepared.with_tensors(staged)
+        except Exception as e:  # noqa: BLE001 - e.g. out of (pinned) memory
+            handle._stage_error = StateDictError(f"{path}: snapshot into host memory failed: "
+                                                 f"{type(e).__name__}: {e}")
+            snap = Prepared(rank, {}, _err_payload(rank, handle._stage_error))
+        finally:
+            handle.staged_seconds = time.perf_counter() - t0
+            handle._staged.set()
+
+    snap = None
+    if stage == "call":
+        snapshot()
+
+    kwargs = dict(step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options,
+                  chunk_size=chunk_size, sync=sync, mesh=mesh, check_replicas=check_replicas,
+                  _save_id=_save_id, _on_step=_on_step)
+
+    def work() -> None:
+        try:
+            if snap is None:
+                snapshot()
+            manifest = run_save(snap, path, group=group, **kwargs)
+            if on_commit is not None:
+                on_commit(manifest)
+            handle._manifest = manifest
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            if isinstance(e, (ShardfmtError, OSError)):
+                handle._error = e
+            else:
+                handle._error = CommitError(f"{path}: async save failed: {type(e).__name__}: {e}")
+                handle._error.__cause__ = e
+        finally:
+            handle.total_seconds = time.perf_counter() - t0
+            handle._staged.set()
+            handle._done.set()
+
+    # Not a daemon: the interpreter waits for an in-flight save before it exits.
+    handle._thread = threading.Thread(target=work, name="shardfmt-async-save", daemon=False)
+    handle._thread.start()
+    handle.blocked_seconds = time.perf_counter() - t0
+    return handle
+
+
+__all__ = ["async_save", "AsyncSave", "Stager", "default_stager"]
