@@ -72,7 +72,6 @@ Usage:  python benchmarks/bench_distributed.py [--size-mib 1536] [--repeats 3] [
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime as dt
 import functools
 import gc
@@ -81,148 +80,32 @@ import math
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 
-PIECE = 8 << 20
-CHUNK = 1 << 20
-MIB = 1 << 20
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import (
+    MIB,
+    ROOT,
+    RSSSampler,
+    cached_fraction,
+    code_fingerprint,
+    dir_bytes,
+    drop_cache,
+    files_under,
+    launch,
+    malloc_trim,
+    proc_io,
+    read_pieces,
+    remove,
+    rotate,
+    write_pieces,
+)
+
 METHODS = ("shardfmt", "dcp", "floor")
-
-# ----------------------------------------------------------------------------- OS helpers
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def malloc_trim() -> None:
-    try:
-        _libc.malloc_trim(0)
-    except AttributeError:
-        pass
-
-
-class RSSSampler:
-    """Background thread: VmRSS from /proc/self/statm every ``interval`` seconds, while armed."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-        self._peak = 0
-        self._armed = threading.Event()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
-        self._t.start()
-        self.samples = 0
-
-    def rss(self) -> int:
-        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._armed.wait(0.05):
-                continue
-            r = self.rss()
-            if r > self._peak:
-                self._peak = r
-            self.samples += 1
-            time.sleep(self.interval)
-
-    def start(self) -> int:
-        before = self.rss()
-        self._peak = before
-        self.samples = 0
-        self._armed.set()
-        return before
-
-    def stop(self) -> int:
-        self._armed.clear()
-        return max(self._peak, self.rss())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._armed.set()
-        self._t.join()
-        os.close(self._fd)
-
-
-def proc_io() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            out[k.strip()] = int(v)
-    return out
-
-
-def files_under(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for root, _, names in os.walk(path):
-        out.extend(os.path.join(root, n) for n in names)
-    return sorted(out)
-
-
-def drop_cache(path: str) -> None:
-    """fsync then POSIX_FADV_DONTNEED every file under ``path``."""
-    for f in files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cached_fraction(path: str) -> float:
-    """Fraction of the bytes under ``path`` resident in the page cache (mincore)."""
-    total = resident = 0
-    for f in files_under(path):
-        size = os.path.getsize(f)
-        if size == 0:
-            continue
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, 1, 1, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return float("nan")
-            try:
-                pages = (size + _PAGE - 1) // _PAGE
-                vec = ctypes.create_string_buffer(pages)
-                if _libc.mincore(addr, size, vec) != 0:
-                    return float("nan")
-                resident += sum(b & 1 for b in vec.raw) * _PAGE
-                total += pages * _PAGE
-            finally:
-                _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return resident / total if total else 0.0
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(f) for f in files_under(path))
-
 
 # ----------------------------------------------------------------------------- the state
 
@@ -406,32 +289,13 @@ class Ctx:
         return rec
 
 
-def rotate(names, k: int) -> list:
-    names = list(names)
-    k %= len(names)
-    return names[k:] + names[:k]
-
-
-def _hash_chunks(mv: memoryview) -> None:
-    import xxhash
-
-    for pos in range(0, len(mv), CHUNK):
-        xxhash.xxh3_128(mv[pos: pos + CHUNK]).digest()
-
-
 def floor_write(tensors, path: str) -> None:
     from shardfmt.tensor_bytes import byte_view
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for t in tensors:
-            mv = byte_view(t)
-            for pos in range(0, len(mv), PIECE):
-                piece = mv[pos: pos + PIECE]
-                _hash_chunks(piece)
-                done = 0
-                while done < len(piece):
-                    done += os.write(fd, piece[done:])
+            write_pieces(fd, byte_view(t), hashed=True)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -445,15 +309,7 @@ def floor_read(reads: list[tuple[str, int, memoryview]]) -> None:
             fd = fds.get(path)
             if fd is None:
                 fd = fds[path] = os.open(path, os.O_RDONLY)
-            for pos in range(0, len(dst), PIECE):
-                piece = dst[pos: pos + PIECE]
-                got = 0
-                while got < len(piece):
-                    n = os.preadv(fd, [piece[got:]], off + pos + got)
-                    if n == 0:
-                        raise EOFError(path)
-                    got += n
-                _hash_chunks(piece)
+            read_pieces(fd, dst, off, hashed=True, path=path)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -803,71 +659,6 @@ def worker_main(argv: list[str]) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def code_fingerprint() -> str:
-    """xxh3 of every .py under shardfmt/ and reshard/ (the code the workers import)."""
-    import xxhash
-
-    h = xxhash.xxh3_64()
-    for d in ("shardfmt", "reshard"):
-        for f in sorted(files_under(os.path.join(ROOT, d))):
-            if f.endswith(".py"):
-                h.update(f.encode())
-                with open(f, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(job: str, world: int, args: dict, out_dir: str, timeout: float) -> list[dict]:
-    """Run ``job`` on ``world`` processes; rank 0's stdout is ours (progress); return all records."""
-    port = free_port()
-    os.makedirs(out_dir, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    for r in range(world):
-        err = open(os.path.join(out_dir, f"rank_{r}.stderr"), "w")
-        procs.append((subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker", job, str(r), str(world), str(port),
-             json.dumps(dict(args, out_dir=out_dir))],
-            cwd=ROOT, env=env, stdout=None if r == 0 else subprocess.DEVNULL, stderr=err,
-            start_new_session=True), err))
-    deadline = time.monotonic() + timeout
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p, err in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-        err.close()
-    records, bad = [], []
-    for r, (p, _) in enumerate(procs):
-        path = os.path.join(out_dir, f"rank_{r}.json")
-        res = None
-        if os.path.exists(path):
-            with open(path) as f:
-                res = json.load(f)
-        if res is None or not res.get("ok"):
-            with open(os.path.join(out_dir, f"rank_{r}.stderr")) as f:
-                tail = f.read()[-3000:]
-            bad.append(f"rank {r} rc={p.returncode}: {res.get('error') if res else 'no result'}\n{tail}")
-        if res:
-            records.extend(res["records"])
-    if bad:
-        raise RuntimeError(f"job {job} on {world} ranks failed:\n" + "\n".join(bad))
-    return records
-
-
 def med(xs):
     return statistics.median(xs)
 
@@ -1113,16 +904,16 @@ def main(argv=None) -> int:
     try:
         for W in worlds:
             base = os.path.join(scratch, f"w{W}")
-            records += launch("main", W, dict(common, base=base, label=f"main@{W}"),
+            records += launch(__file__, "main", W, dict(common, base=base, label=f"main@{W}"),
                               os.path.join(scratch, "logs", f"main{W}"), args.job_timeout)
             if W == 2:
                 if "dim0" in scen:
                     sc = f"dim0 2->{args.reshard_to}"
-                    records += launch("load", args.reshard_to,
+                    records += launch(__file__, "load", args.reshard_to,
                                       dict(common, src=base, src_world=2, scenario=sc, label=sc),
                                       os.path.join(scratch, "logs", "dim0"), args.job_timeout)
                 if "to1" in scen:
-                    records += launch("load", 1, dict(common, src=base, src_world=2, scenario="2->1", label="2->1"),
+                    records += launch(__file__, "load", 1, dict(common, src=base, src_world=2, scenario="2->1", label="2->1"),
                                       os.path.join(scratch, "logs", "to1"), args.job_timeout)
             remove(base)
     finally:

@@ -48,7 +48,6 @@ Usage:  python benchmarks/bench_save_load.py [--size-mib 1024] [--repeats 3] [--
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -57,19 +56,25 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 import xxhash
+from common import (
+    MIB,
+    PIECE,
+    RSSSampler,
+    cached_fraction,
+    drop_cache,
+    fsync_path,
+    hash_chunks,
+    malloc_trim,
+    remove,
+)
 
 import shardfmt
 from shardfmt.tensor_bytes import byte_view
-
-PIECE = 8 << 20
-CHUNK = 1 << 20
-MIB = 1 << 20
 
 # ----------------------------------------------------------------------------- state
 
@@ -98,130 +103,7 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-# ----------------------------------------------------------------------------- memory / cache helpers
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def malloc_trim() -> None:
-    try:
-        _libc.malloc_trim(0)
-    except AttributeError:
-        pass
-
-
-class RSSSampler:
-    """Background thread: VmRSS from /proc/self/statm every ``interval`` seconds, while armed."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        self.interval = interval
-        self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-        self._peak = 0
-        self._armed = threading.Event()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
-        self._t.start()
-        self.samples = 0
-
-    def rss(self) -> int:
-        return int(os.pread(self._fd, 128, 0).split()[1]) * _PAGE
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._armed.wait(0.05):
-                continue
-            r = self.rss()
-            if r > self._peak:
-                self._peak = r
-            self.samples += 1
-            time.sleep(self.interval)
-
-    def start(self) -> int:
-        before = self.rss()
-        self._peak = before
-        self.samples = 0
-        self._armed.set()
-        return before
-
-    def stop(self) -> int:
-        self._armed.clear()
-        r = self.rss()
-        return max(self._peak, r)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._armed.set()
-        self._t.join()
-        os.close(self._fd)
-
-
-def _files_under(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for root, _, names in os.walk(path):
-        out.extend(os.path.join(root, n) for n in names)
-    return sorted(out)
-
-
-def drop_cache(path: str) -> None:
-    """fsync then POSIX_FADV_DONTNEED every file under ``path`` (drops it from the page cache)."""
-    for f in _files_under(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-
-
-def cached_fraction(path: str) -> float:
-    """Fraction of the bytes under ``path`` resident in the page cache (mincore)."""
-    total = resident = 0
-    for f in _files_under(path):
-        size = os.path.getsize(f)
-        if size == 0:
-            continue
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return float("nan")
-            try:
-                pages = (size + _PAGE - 1) // _PAGE
-                vec = ctypes.create_string_buffer(pages)
-                if _libc.mincore(addr, size, vec) != 0:
-                    return float("nan")
-                resident += sum(b & 1 for b in vec.raw) * _PAGE
-                total += pages * _PAGE
-            finally:
-                _libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return resident / total if total else float("nan")
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------- methods
-
-
-def _hash_chunks(mv: memoryview) -> None:
-    for pos in range(0, len(mv), CHUNK):
-        xxhash.xxh3_128(mv[pos : pos + CHUNK]).digest()
 
 
 def save_shardfmt(state, path):
@@ -249,7 +131,7 @@ def save_floor(state, path):
             mv = byte_view(t)  # contiguous CPU tensors: no copy
             for pos in range(0, len(mv), PIECE):
                 piece = mv[pos : pos + PIECE]
-                _hash_chunks(piece)
+                hash_chunks(piece)
                 done = 0
                 while done < len(piece):
                     done += os.write(fd, piece[done:])
@@ -297,7 +179,7 @@ def load_floor(path, targets, split):
                         raise EOFError(path)
                     got += n
                 off += len(piece)
-                _hash_chunks(piece)
+                hash_chunks(piece)
     finally:
         os.close(fd)
 
@@ -324,7 +206,7 @@ def load_floor_threaded(path, targets, split, workers: int = 2):
             if n == 0:
                 raise EOFError(path)
             got += n
-        _hash_chunks(piece)
+        hash_chunks(piece)
 
     try:
         with ThreadPoolExecutor(max_workers=workers) as ex:
@@ -348,13 +230,6 @@ LOADS: dict[str, Callable] = {
 }
 SUFFIX = {"shardfmt": ".ckpt", "torch.save": ".pt", "torch.load": ".pt", "safetensors": ".safetensors",
           "floor": ".bin", "floor-2threads": ".bin"}
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
 
 
 # ----------------------------------------------------------------------------- harness

@@ -307,6 +307,8 @@ def async_save(
     else:
         group, rank = None, 0
     prepared = prepare(state_dict, rank)
+    if group is None and prepared.error is not None:
+        raise prepared.error  # one process: a bad state fails the call itself
     handle = AsyncSave(path)
     stager.inflight = handle
     _LIVE.add(handle)

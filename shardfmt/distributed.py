@@ -294,6 +294,7 @@ class Prepared:
     rank: int
     held: dict[str, _Held]
     desc: dict
+    error: ShardfmtError | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         return [data for h in self.held.values() for _, data in h.pieces]
@@ -312,7 +313,7 @@ def prepare(state_dict: dict, rank: int) -> Prepared:
         held, desc, _ = describe(state_dict, rank)
         return Prepared(rank, held, {"ok": True, **desc})
     except ShardfmtError as e:
-        return Prepared(rank, {}, _err_payload(rank, e))
+        return Prepared(rank, {}, _err_payload(rank, e), e)
 
 
 def _rank_world(group) -> tuple[int, int]:

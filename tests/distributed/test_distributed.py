@@ -191,10 +191,12 @@ def test_checkpointer_resumes_on_another_world_size(tmp_path, new_world):
         assert any("RNG states were saved by 2 ranks" in w for w in r["warnings"])
 
 
-def test_torn_save_is_ignored_and_collected_after_its_lease(tmp_path):
-    """Drill c: every rank SIGKILLed mid-save; restore uses the previous checkpoint."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_torn_save_is_ignored_and_collected_after_its_lease(tmp_path, mode):
+    """Drill c: every rank SIGKILLed mid-save (async: in the background); restore uses the previous one."""
     root = str(tmp_path / "root")
-    results = launch("ckpt_torn", 2, {"root": root}, out_dir=str(tmp_path / "o"), timeout=120)
+    results = launch("ckpt_torn", 2, {"root": root, "async": mode == "async"}, out_dir=str(tmp_path / "o"),
+                     timeout=120)
     assert all(r.returncode == -9 for r in results), [(r.returncode, r.stderr[-500:]) for r in results]
     torn = [n for n in os.listdir(root) if ".tmp-" in n]
     assert len(torn) == 1 and os.listdir(os.path.join(root, torn[0], "data"))
@@ -239,3 +241,20 @@ def test_fsdp2_model_through_the_checkpointer_reshards(tmp_path):
     m = shardfmt.read_manifest(os.path.join(root, "step_000000003"))
     assert m.tensors["model.0.weight"].placement.placements == (("shard", 0),)
     assert len(m.tensors["optim.state.0.weight.exp_avg"].shards) == 2
+
+
+def test_async_save_under_two_ranks_is_isolated_and_uses_its_own_group(tmp_path):
+    path = str(tmp_path / "a")
+    results = check_all_ok(launch("async_save2", 2, {"path": path}, out_dir=str(tmp_path / "o")))
+    assert [r["step"] for r in results] == [1, 1]
+    assert [r["skipped"] for r in results] == [[False, True, False]] * 2
+    assert shardfmt.validate(path).ok and not os.path.exists(path + "_c")
+    out = {"w": torch.empty(64, 16), "s": torch.empty(8, 8), "norm": torch.empty(16), "lr": None}
+    shardfmt.load(out, path, per_rank="skip")
+    assert torch.equal(out["w"], torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16))  # as at the call
+    assert torch.equal(out["norm"], torch.ones(16)) and out["lr"] == 0.5
+    assert torch.equal(out["s"][:4], torch.zeros(4, 8)) and torch.equal(out["s"][4:], torch.ones(4, 8))
+    assert shardfmt.read_manifest(path).values["rng"].per_rank == {0: 0, 1: 10}
+    later = {"w": torch.empty(64, 16)}
+    shardfmt.load(later, path + "_d", strict=False)
+    assert torch.equal(later["w"], torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) + 20)

@@ -283,7 +283,12 @@ def ckpt_torn(rank, world, args):
 
     D.write_shard_file = dying(D.write_shard_file)
     W.write_shard_file = dying(W.write_shard_file)
-    ck.save(2, {"rows": RowShard(rank, world, 2)})
+    if args.get("async"):
+        h = ck.save(2, {"rows": RowShard(rank, world, 2)}, async_=True)
+        assert ck.latest().endswith("step_000000001")  # in flight: not the latest
+        h.wait()  # the background thread kills the process before this returns
+    else:
+        ck.save(2, {"rows": RowShard(rank, world, 2)})
     return {}
 
 
@@ -304,6 +309,47 @@ def ckpt_restore_rows(rank, world, args):
         warnings.simplefilter("always")
         step = shardfmt.Checkpointer(args["root"]).restore({"rows": rows})
     return {"step": step, "value": rows.local[0, 0].item(), "warnings": [str(w.message) for w in caught]}
+
+
+@job
+def async_save2(rank, world, args):
+    """Async saves of DTensor/ShardedTensor/replicated/PerRank state while training collectives run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    full = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    rows = 64 // world
+    state = {"w": DTensor.from_local(full[rank * rows:(rank + 1) * rows].clone(), mesh, [Shard(0)]),
+             "s": shardfmt.ShardedTensor(torch.full((4, 8), float(rank)), (4 * world, 8), (4 * rank, 0)),
+             "norm": torch.ones(16), "rng": shardfmt.PerRank(rank * 10), "lr": 0.5}
+    stager = shardfmt.Stager()
+    h = shardfmt.async_save(state, args["path"], step=1, stager=stager, timeout=dt.timedelta(seconds=60))
+    # The training thread goes on: in-place updates and collectives on the default group, while
+    # the background save runs its own collectives on its own group.
+    for _ in range(20):
+        x = torch.ones(1000)
+        dist.all_reduce(x)
+        assert x[0].item() == world
+        state["w"].to_local().add_(1.0)
+        state["norm"].mul_(3.0)
+    m = h.wait()
+    # skip policy: rank 0 holds its commit, so every rank is still busy; all ranks skip together
+    hold = {"on": True}
+
+    def slow_commit(name):
+        if hold["on"] and name == "files_written":
+            time.sleep(1.5)
+    h2 = shardfmt.async_save(state, args["path"] + "_b", stager=stager, _on_step=slow_commit)
+    time.sleep(0.3)
+    h3 = shardfmt.async_save(state, args["path"] + "_c", stager=stager, policy="skip")
+    hold["on"] = False
+    h2.wait()
+    h4 = shardfmt.async_save(state, args["path"] + "_d", stager=stager, policy="skip", stage="background")
+    h4.wait_staged()
+    h4.wait()
+    return {"step": m.step, "skipped": [h2.skipped, h3.skipped, h4.skipped],
+            "blocked": h.blocked_seconds, "total": h.total_seconds}
 
 
 def _fsdp_state(seed, world):

@@ -1,0 +1,214 @@
+"""Async save in one process: isolation of the snapshot, policies, errors, bounded memory."""
+
+import gc
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import shardfmt
+from shardfmt import commit as commit_mod
+from shardfmt.checkpointer import Checkpointer
+
+
+def _model_state(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    return m, o
+
+
+def _step(m, o):
+    loss = m(torch.randn(16, 32)).pow(2).mean()
+    o.zero_grad()
+    loss.backward()
+    o.step()
+
+
+def _snapshot(sd):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+
+
+def _load_like(sd, path):
+    target = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
+    shardfmt.load(target, path)
+    return target
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("stage", ["call", "background"])
+def test_an_optimizer_step_after_the_call_does_not_change_what_is_written(tmp_path, stage):
+    m, o = _model_state()
+    _step(m, o)
+    sd = {**{f"model.{k}": v for k, v in m.state_dict().items()},
+          **{f"exp_avg.{i}": o.state[p]["exp_avg"] for i, p in enumerate(m.parameters())},
+          "lr": 0.1}
+    before = _snapshot(sd)
+    h = shardfmt.async_save(sd, str(tmp_path / "c"), step=1, stage=stage, stager=shardfmt.Stager())
+    if stage == "background":
+        h.wait_staged()
+    for _ in range(3):  # in place: parameters, exp_avg and exp_avg_sq all change
+        _step(m, o)
+    assert not torch.equal(sd["model.0.weight"], before["model.0.weight"])
+    manifest = h.wait()
+    assert manifest.step == 1 and h.done()
+    _equal(_load_like(before, str(tmp_path / "c")), before)
+    assert shardfmt.validate(str(tmp_path / "c")).ok
+    assert h.blocked_seconds <= h.total_seconds
+
+
+def test_snapshot_keeps_sharing_views_and_non_contiguous_tensors(tmp_path):
+    base = torch.arange(64, dtype=torch.float32)
+    sd = {"a": base, "tied": base, "t": torch.arange(12.0).reshape(3, 4).t(), "n": {"step": 7}}
+    h = shardfmt.async_save(sd, str(tmp_path / "c"), stager=shardfmt.Stager())
+    base.zero_()
+    h.wait()
+    m = shardfmt.read_manifest(str(tmp_path / "c"))
+    assert m.tensors["tied"].alias_of == "a"
+    out = {"a": torch.empty(64), "tied": torch.empty(64), "t": torch.empty(4, 3), "n": {"step": None}}
+    shardfmt.load(out, str(tmp_path / "c"))
+    assert torch.equal(out["a"], torch.arange(64, dtype=torch.float32)) and torch.equal(out["tied"], out["a"])
+    assert torch.equal(out["t"], torch.arange(12.0).reshape(3, 4).t()) and out["n"]["step"] == 7
+
+
+class _Gate:
+    """Hold a save at its commit until released (the save is then 'still writing')."""
+
+    def __init__(self, monkeypatch):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        orig = commit_mod.publish
+
+        def publish(*a, **k):
+            self.entered.set()
+            assert self.release.wait(30)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(commit_mod, "publish", publish)
+
+
+def test_skip_policy_skips_and_logs_while_the_previous_save_writes(tmp_path, monkeypatch, caplog):
+    gate = _Gate(monkeypatch)
+    stager = shardfmt.Stager()
+    sd = {"w": torch.ones(1000)}
+    first = shardfmt.async_save(sd, str(tmp_path / "a"), stager=stager)
+    assert gate.entered.wait(30)
+    with caplog.at_level(logging.WARNING, logger="shardfmt"):
+        second = shardfmt.async_save(sd, str(tmp_path / "b"), stager=stager, policy="skip")
+    assert second.skipped and second.done() and second.wait() is None
+    assert "skipping the save" in caplog.text and str(tmp_path / "b") in caplog.text
+    assert not first.done()
+    gate.release.set()
+    assert first.wait().tensors["w"].shape == (1000,)
+    assert not (tmp_path / "b").exists()
+
+
+def test_wait_policy_waits_for_the_previous_save(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    stager = shardfmt.Stager()
+    first = shardfmt.async_save({"w": torch.ones(10)}, str(tmp_path / "a"), stager=stager)
+    assert gate.entered.wait(30)
+    threading.Timer(0.3, gate.release.set).start()
+    t0 = time.monotonic()
+    second = shardfmt.async_save({"w": torch.zeros(10)}, str(tmp_path / "b"), stager=stager)
+    assert first.done() and time.monotonic() - t0 >= 0.2  # waited for the first before snapshotting
+    second.wait()
+    out = {"w": torch.empty(10)}
+    shardfmt.load(out, str(tmp_path / "a"))
+    assert torch.equal(out["w"], torch.ones(10))  # the reused buffers did not leak into the first save
+
+
+def test_errors_surface_on_wait_or_at_the_call(tmp_path):
+    shardfmt.save({"w": torch.ones(2)}, str(tmp_path / "c"))
+    h = shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "c"), stager=shardfmt.Stager())
+    with pytest.raises(shardfmt.CheckpointExistsError):
+        h.wait()
+    out = {"w": torch.empty(2)}
+    shardfmt.load(out, str(tmp_path / "c"))
+    assert torch.equal(out["w"], torch.ones(2))  # the existing checkpoint is untouched
+
+    class Opaque:
+        pass
+
+    with pytest.raises(shardfmt.EncodingError, match="x"):
+        shardfmt.async_save({"x": Opaque()}, str(tmp_path / "d"))
+    with pytest.raises(ValueError, match="policy"):
+        shardfmt.async_save({}, str(tmp_path / "e"), policy="queue")
+    assert not (tmp_path / "d").exists()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Peak:
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return max(self.peak, _rss())
+
+
+def test_five_back_to_back_saves_stay_within_one_staging_copy(tmp_path):
+    n = 16
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(n)}  # 64 MiB of fp32
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    gc.collect()
+    stager = shardfmt.Stager()
+    base = _rss()  # the state is allocated and touched
+    peaks = []
+    handle = None
+    for i in range(5):
+        p = _Peak()
+        handle = shardfmt.async_save(state, str(tmp_path / f"s{i}"), stager=stager)  # policy wait
+        for t in state.values():
+            t.add_(1.0)  # the training loop goes on
+        handle.wait()
+        peaks.append(p.stop() - base)
+        if i >= 2:
+            commit_mod.abort(shardfmt.storage.LocalStorage(), str(tmp_path / f"s{i - 2}"))
+    print("peaks", [round(p / state_bytes, 3) for p in peaks])
+    assert stager.nbytes == state_bytes
+    assert max(peaks) <= 1.10 * state_bytes, [p / state_bytes for p in peaks]
+    assert peaks[-1] <= peaks[1] + 0.03 * state_bytes, [p / state_bytes for p in peaks]
+
+
+def test_checkpointer_async_latest_never_names_an_in_flight_save(tmp_path, monkeypatch):
+    m, o = _model_state()
+    ck = Checkpointer(str(tmp_path), keep_last=1)
+    ck.save(1, {"model": m, "optim": o})
+    gate = _Gate(monkeypatch)
+    h = ck.save(2, {"model": m, "optim": o}, async_=True)
+    assert gate.entered.wait(30)
+    assert ck.latest().endswith("step_000000001")
+    assert [i.status for i in ck.list()] == ["committed"]
+    gate.release.set()
+    ck.wait()
+    assert h.done() and ck.latest().endswith("step_000000002")
+    assert [i.step for i in ck.list()] == [2]  # retention ran after the async commit
+    m2, o2 = _model_state(seed=5)
+    assert Checkpointer(str(tmp_path)).restore({"model": m2, "optim": o2}) == 2
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
