@@ -28,7 +28,7 @@ from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
 from .tensor_bytes import is_direct
-from .writer import CheckpointWriter, ShardData
+from .writer import DEFAULT_PART_SIZE, CheckpointWriter, ShardData
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +115,8 @@ def save(
     timeout=None,
     mesh: Mapping[str, int] | None = None,
     check_replicas: bool = False,
+    write_workers: int | None = None,
+    part_size: int = DEFAULT_PART_SIZE,
     _save_id: str | None = None,
     _clock=None,
     _writer_versions: Mapping[str, str] | None = None,
@@ -132,6 +134,8 @@ def save(
     (see ``shardfmt.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
     the job's layout in the manifest; ``timeout`` bounds every collective;
     ``check_replicas`` verifies that replicated tensors and values agree across ranks.
+    ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
+    hash ``part_size`` parts of a file in parallel.
     """
     if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()
                                      and torch.distributed.get_world_size() > 1):
@@ -141,7 +145,8 @@ def save(
             state_dict, path, step=step, metadata=metadata, overwrite=overwrite,
             storage_options=storage_options, chunk_size=chunk_size, sync=sync,
             process_group=process_group, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
-            _save_id=_save_id, _clock=_clock, _writer_versions=_writer_versions, _on_step=_on_step)
+            write_workers=write_workers, part_size=part_size, _save_id=_save_id, _clock=_clock,
+            _writer_versions=_writer_versions, _on_step=_on_step)
 
     leaves = flatten(state_dict)
     plain: dict[str, torch.Tensor] = {}
@@ -170,7 +175,7 @@ def save(
     base_shards = [ShardData(fqn=n, data=t, global_shape=tuple(t.shape), offsets=(0,)) for n, t in storages.items()]
     with CheckpointWriter(path, storage_options=storage_options, overwrite=overwrite, save_id=_save_id,
                           clock=_clock, writer_versions=_writer_versions, chunk_size=chunk_size,
-                          sync=sync, on_step=_on_step) as w:
+                          sync=sync, on_step=_on_step, write_workers=write_workers, part_size=part_size) as w:
         w.write_rank(0, shards, storages=base_shards)
         for fqn, target in aliases.items():
             w.add_alias(fqn, target)

@@ -257,6 +257,8 @@ def async_save(
     timeout: _dt.timedelta | None = None,
     mesh: Mapping[str, int] | None = None,
     check_replicas: bool = False,
+    write_workers: int | None = None,
+    part_size: int | None = None,
     stager: Stager | None = None,
     policy: str = "wait",
     stage: str = "call",
@@ -334,7 +336,9 @@ def async_save(
 
     kwargs = dict(step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options,
                   chunk_size=chunk_size, sync=sync, mesh=mesh, check_replicas=check_replicas,
-                  _save_id=_save_id, _on_step=_on_step)
+                  write_workers=write_workers, _save_id=_save_id, _on_step=_on_step)
+    if part_size is not None:
+        kwargs["part_size"] = part_size
 
     def work() -> None:
         try:

@@ -42,7 +42,15 @@ from .errors import (
 )
 from .manifest import FileRecord, Placement, ShardRecord, Topology, ViewRecord
 from .state import PerRank, ShardedTensor, _is_dtensor, flatten
-from .writer import CheckpointWriter, ShardData, WrittenFile, new_save_id, write_shard_file
+from .writer import (
+    DEFAULT_PART_SIZE,
+    CheckpointWriter,
+    ShardData,
+    WrittenFile,
+    default_write_workers,
+    new_save_id,
+    write_shard_file,
+)
 
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 _GROUPS: dict[tuple, Any] = {}  # (process group, timeout) -> gloo control group; groups are costly
@@ -342,6 +350,8 @@ def run_save(
     mesh: Mapping[str, int] | None = None,
     check_replicas: bool = False,
     storage=None,
+    write_workers: int | None = None,
+    part_size: int = DEFAULT_PART_SIZE,
     _save_id: str | None = None,
     _clock=None,
     _writer_versions: Mapping[str, str] | None = None,
@@ -381,7 +391,8 @@ def run_save(
         try:
             writer = CheckpointWriter(path, storage=storage, overwrite=overwrite, save_id=_save_id or new_save_id(),
                                       clock=_clock, writer_versions=_writer_versions, chunk_size=chunk_size,
-                                      sync=sync, on_step=_on_step)
+                                      sync=sync, on_step=_on_step, write_workers=write_workers,
+                                      part_size=part_size)
             status = {"ok": True, "rank": 0, "save_id": writer.save_id, "staging": writer.staging}
         except ShardfmtError as e:
             status = _err_payload(0, e)
@@ -395,7 +406,8 @@ def run_save(
     try:
         if mine and rank != 0:
             written = write_shard_file(storage, status["staging"], _file_name(rank), rank,
-                                       _ordered(mine), chunk_size=chunk_size, sync=sync)
+                                       _ordered(mine), chunk_size=chunk_size, sync=sync,
+                                       workers=write_workers or default_write_workers(), part_size=part_size)
             result = {"ok": True, "rank": rank, "file": _written_json(written)}
         elif mine:
             written = writer.write_rank(0, [s for s in mine if s.fqn not in storage_names],

@@ -159,6 +159,21 @@ class _LocalWriter:
             _sync_file_range(self._fd, self._flushed, self._written - self._flushed)
             self._flushed = self._written
 
+    def pwrite(self, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` (thread-safe: parts of one file from several threads)."""
+        mv = memoryview(data).cast("B")
+        total = len(mv)
+        pos = 0
+        try:
+            while pos < total:
+                pos += os.pwrite(self._fd, mv[pos:], offset + pos)
+        except OSError as e:
+            raise _storage_error(self._path, e, "write") from None
+        self._stats.add_write(total)
+
+    def start_writeback(self, offset: int, nbytes: int) -> None:
+        _sync_file_range(self._fd, offset, nbytes)
+
     def close(self, *, sync: bool = True) -> None:
         try:
             if sync:

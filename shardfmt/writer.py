@@ -9,7 +9,9 @@ commit protocol; ``shardfmt.save`` and the offline tools are built on it.
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
+import os
 import platform
 import threading
 import uuid
@@ -38,10 +40,11 @@ from .manifest import (
 from .retention import DEFAULT_LEASE_SECONDS
 from .safetensors_io import ShardOrigin, encode_header, encode_origins
 from .storage import Storage, get_storage
-from .tensor_bytes import byte_pieces
+from .tensor_bytes import byte_pieces, byte_view, is_direct
 
 Clock = Callable[[], _dt.datetime]
 _OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
+DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a time (a multiple of chunks)
 
 
 def default_writer_versions() -> dict[str, str]:
@@ -106,8 +109,18 @@ def write_shard_file(
     *,
     chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
     sync: bool = True,
+    workers: int = 1,
+    part_size: int = DEFAULT_PART_SIZE,
 ) -> WrittenFile:
-    """Stream ``shards`` (in the given order) into ``directory/name`` and hash while writing."""
+    """Write ``shards`` (in the given order) into ``directory/name``, hashing chunks as they are written.
+
+    With ``workers > 1`` on a storage with positional writes, and every shard's memory
+    contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
+    threads write and hash independently, straight from tensor memory. Otherwise the file is
+    streamed in order, hashing each piece on a helper thread while the OS writes it.
+    """
+    if part_size % chunk_size or part_size <= 0:
+        raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
     keys = _file_keys(shards)
     if len(set(keys)) != len(keys):
         dup = sorted({k for k in keys if keys.count(k) > 1})
@@ -120,44 +133,23 @@ def write_shard_file(
                                                            global_shape=tuple(s.global_shape))
                                             for k, s in zip(keys, shards)})},
     )
-    hasher = hashing.ChunkHasher(chunk_size)
     path = storage.join(directory, name)
     w = storage.open_writer(path)
-    pool = None
-    pending = None
     try:
-        hasher.update(header.data)
-        w.write(header.data)
-        for s in shards:
-            for piece in byte_pieces(s.data):
-                if len(piece) < _OVERLAP_MIN:
-                    if pending is not None:
-                        pending.result()
-                        pending = None
-                    hasher.update(piece)
-                    w.write(piece)
-                    continue
-                # Hash this piece on a helper thread while the OS writes it (both drop the GIL):
-                # the save then costs ~max(write, hash) instead of their sum.
-                if pool is None:
-                    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(hasher.update, piece)
-                w.write(piece)
-        if pending is not None:
-            pending.result()
+        segments = _direct_segments(header, shards)
+        if workers > 1 and segments is not None and hasattr(w, "pwrite") and header.file_size > part_size:
+            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size,
+                                         part_size=part_size, workers=workers)
+        else:
+            chunks, total = _write_stream(w, header.data, shards, chunk_size)
     except BaseException:
         w.abort()
         raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
     w.close(sync=sync)
-    chunks = tuple(hasher.finish())
-    if hasher.total != header.file_size:
-        raise CommitError(f"{path}: wrote {hasher.total} bytes, header promised {header.file_size}")
-    record = FileRecord(rank=rank, size=hasher.total, header_size=len(header.data),
+    chunks = tuple(chunks)
+    if total != header.file_size:
+        raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
+    record = FileRecord(rank=rank, size=total, header_size=len(header.data),
                         header_digest=hashing.digest_bytes(header.data), chunks=chunks,
                         digest=hashing.combine(chunks))
     shard_records = []
@@ -168,6 +160,84 @@ def write_shard_file(
             byte_range=(entry.start, entry.end), digest=hashing.combine(chunks[span.start:span.stop]),
         )))
     return WrittenFile(name=name, record=record, shards=tuple(shard_records))
+
+
+def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_size: int) -> tuple[list[str], int]:
+    """Write the file in order; hash each large piece on a helper thread while the OS writes it."""
+    hasher = hashing.ChunkHasher(chunk_size)
+    pool = None
+    pending = None
+    try:
+        hasher.update(header_bytes)
+        w.write(header_bytes)
+        for s in shards:
+            for piece in byte_pieces(s.data):
+                if len(piece) < _OVERLAP_MIN:
+                    if pending is not None:
+                        pending.result()
+                        pending = None
+                    hasher.update(piece)
+                    w.write(piece)
+                    continue
+                # Both drop the GIL: the save then costs ~max(write, hash) instead of their sum.
+                if pool is None:
+                    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(hasher.update, piece)
+                w.write(piece)
+        if pending is not None:
+            pending.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return hasher.finish(), hasher.total
+
+
+def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview]] | None:
+    """(file offset, bytes) of the header and every shard, when all are zero-copy views; else None."""
+    segments = [(0, memoryview(header.data))]
+    for entry, s in zip(header.entries, shards):
+        if s.data.numel() == 0:
+            continue
+        if not is_direct(s.data):
+            return None
+        segments.append((entry.start, byte_view(s.data)))
+    return segments
+
+
+def _write_parts(w, segments: list[tuple[int, memoryview]], file_size: int, *, chunk_size: int,
+                 part_size: int, workers: int) -> tuple[list[str], int]:
+    """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads."""
+    starts = [off for off, _ in segments]
+
+    def part(lo: int) -> tuple[list[str], int]:
+        hi = min(lo + part_size, file_size)
+        hasher = hashing.ChunkHasher(chunk_size)  # parts start on chunk boundaries: their chunks are the file's
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        pos = lo
+        while pos < hi:
+            off, mv = segments[i]
+            a, b = max(pos - off, 0), min(hi - off, len(mv))
+            if off > pos or a >= b:
+                raise CommitError(f"internal: no data for byte {pos} of the file")
+            piece = mv[a:b]
+            w.pwrite(off + a, piece)
+            hasher.update(piece)
+            pos = off + b
+            i += 1
+        w.start_writeback(lo, hi - lo)
+        return hasher.finish(), hasher.total
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-write") as pool:
+        results = list(pool.map(part, range(0, file_size, part_size)))
+    return [d for digests, _ in results for d in digests], sum(n for _, n in results)
+
+
+def default_write_workers() -> int:
+    """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(4, (os.cpu_count() or 1) // local))
 
 
 @dataclass
@@ -225,6 +295,8 @@ class CheckpointWriter:
         sync: bool = True,
         on_step: _commit.StepHook | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        write_workers: int | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
     ) -> None:
         if not 4096 <= chunk_size <= 1 << 30:
             raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
@@ -237,6 +309,8 @@ class CheckpointWriter:
         self._writer_versions = dict(writer_versions) if writer_versions is not None else default_writer_versions()
         self.chunk_size = chunk_size
         self._sync = sync
+        self.write_workers = write_workers or default_write_workers()
+        self.part_size = part_size
         self._on_step = on_step
         self._overwrite = overwrite
         self._files: dict[str, FileRecord] = {}
@@ -272,7 +346,8 @@ class CheckpointWriter:
                                  f"{code} {list(s.global_shape)})")
         try:
             written = write_shard_file(self.storage, self.staging, name, rank, ordered,
-                                       chunk_size=self.chunk_size, sync=self._sync)
+                                       chunk_size=self.chunk_size, sync=self._sync,
+                                       workers=self.write_workers, part_size=self.part_size)
         except BaseException:
             self.abort()
             raise
