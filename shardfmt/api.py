@@ -19,7 +19,13 @@ import torch
 
 from reshard.executor import DEFAULT_WORKERS, Executor
 from reshard.geometry import Box
-from reshard.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
+from reshard.planner import (
+    DEFAULT_MAX_BOUNCE_READ,
+    DEFAULT_MAX_GAP,
+    DEFAULT_MAX_READ,
+    TargetSlice,
+    plan_load,
+)
 
 from . import hashing, jsonvalue
 from .dtypes import dtype_code, torch_dtype
@@ -312,7 +318,8 @@ def load(
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
     bounce = frozenset(t.index for t in targets
                        if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index]))
-    plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce)
+    plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce,
+                     max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size))
     before = ckpt.storage.stats.snapshot()
     if verify:
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
@@ -359,6 +366,15 @@ def _rank_and_world(rank: int | None, process_group) -> tuple[int, int]:
         r = dist.get_rank(process_group)
         return (r if rank is None else rank), dist.get_world_size(process_group)
     return (rank or 0), 1 if rank is None else max(rank + 1, 1)
+
+
+def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chunk: int) -> int:
+    """Bounce reads of 1/32 of the rank's share (8-32 MiB): a read rounded out to whole chunks
+    re-reads at most one chunk it shares with the next, so larger reads waste less, while the
+    per-worker buffers stay a few percent of what the rank loads."""
+    share = sum(t.box.numel * dsts[t.index].element_size() for t in targets)
+    size = min(max(share // 32, DEFAULT_MAX_BOUNCE_READ), 4 * DEFAULT_MAX_BOUNCE_READ)
+    return max(chunk, size // chunk * chunk)
 
 
 def _value_for_rank(fqn: str, rec, rank: int, world_size: int, saved_world: int, policy: str) -> Any:
