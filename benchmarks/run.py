@@ -636,6 +636,9 @@ def print_report(summary, targets, meta, errors) -> None:
             print(f"{name:<19}  n/a" + (f" (error: {errors[name][:160]})" if name in errors else " (not run)"))
             continue
         m = r["median"]
+        if "blocked_s" not in m:  # failed after round 1: nothing in the judged rounds
+            print(f"{name:<19}  n/a" + (f" (error: {errors[name][:160]})" if name in errors else ""))
+            continue
         xm = f"{m['blocked_s'] / mem['seconds']:.2f}" if mem else "-"
         ts = f"{(r['seconds'] - sync['seconds']) / mem['seconds']:.2f}x" if mem and sync else "-"
         later = r["rss_growth_later_max"]
@@ -741,6 +744,10 @@ def main(argv=None) -> int:
             "machine": f"machine: {os.cpu_count()} CPUs, {env['device_name']}; python {platform.python_version()}, "
                        f"torch {env['torch']}" + (f" (CUDA {env['cuda']})" if env["cuda"] else "")
                        + f", shardfmt {shardfmt.__version__}"}
+    if args.json:  # before the report: a figure the report cannot print is still kept
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "summary": summary, "targets": targets, "errors": errors,
+                       "records": records}, f, indent=1)
     print_report(summary, targets, meta, errors)
     wall = time.perf_counter() - t0
     print(f"\nwall {wall:.0f}s; load average before {load0:.2f}, after {meta['load_avg_after']:.2f} "

@@ -48,17 +48,25 @@ STAGES = ("call", "background")
 _ASYNC_GROUPS: dict[tuple, Any] = {}
 
 
+_ALIGN = 512  # bytes: every staged piece starts at a multiple (element sizes, DMA-friendly)
+
+
 class Stager:
     """Host-memory staging buffers for snapshots: one copy of a rank's state, reused across saves.
 
-    A buffer is kept per tensor piece (by position and dtype/shape) and reallocated only when
-    that piece's dtype or shape changes; buffers of pieces that disappear are dropped, so the
-    stager never holds more than the latest state's size.
+    All pieces live in one flat host allocation of exactly the state's size (plus alignment),
+    carved into views; it is kept while the pieces' dtypes and shapes stay the same and
+    replaced (the old one freed first) when they change. For CUDA states the allocation is
+    pinned by registering it with CUDA (``cudaHostRegister``), which pins exactly its size;
+    PyTorch's pinned allocator would round every buffer up to a power of two (up to 2x the
+    memory). Where registering is not possible, each piece is pinned on its own instead.
     """
 
     def __init__(self, *, pin_memory: bool | None = None) -> None:
         self._pin = pin_memory
         self._buffers: list[torch.Tensor] = []
+        self._layout: list[tuple] = []
+        self._finalizer = None
         self._stream = None
         self._lock = threading.Lock()
         self.inflight: AsyncSave | None = None
@@ -67,17 +75,30 @@ class Stager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers)
 
-    def _buffer(self, i: int, src: torch.Tensor, pin: bool) -> torch.Tensor:
-        if i < len(self._buffers):
-            b = self._buffers[i]
-            if b.dtype == src.dtype and b.shape == src.shape and b.is_pinned() == pin:
-                return b
-        b = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
-        if i < len(self._buffers):
-            self._buffers[i] = b
-        else:
-            self._buffers.append(b)
-        return b
+    def _allocate(self, tensors: list[torch.Tensor], pin: bool) -> None:
+        self._drop()
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        arena = torch.empty(max(total, 1), dtype=torch.uint8)
+        if pin:
+            unpin = _register_pinned(arena)
+            if unpin is None:  # cannot register: pin piece by piece (PyTorch's allocator)
+                self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+                self._layout = [_sig(t, pin) for t in tensors]
+                return
+            self._finalizer = weakref.finalize(self, unpin)
+        self._buffers = [arena[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                         for o, t in zip(offsets, tensors)]
+        self._layout = [_sig(t, pin) for t in tensors]
+
+    def _drop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # unregisters (once) while the arena is still alive
+            self._finalizer = None
+        self._buffers = []
+        self._layout = []
 
     def copy(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
         """Start copying ``tensors`` into the staging buffers; return them and a wait-for-copies function.
@@ -87,34 +108,52 @@ class Stager:
         the returned function blocks until those copies have landed.
         """
         with self._lock:
-            del self._buffers[len(tensors):]
+            tensors = [_plain(t) for t in tensors]
             cuda = [t for t in tensors if t.device.type == "cuda"]
             pin = bool(cuda) if self._pin is None else self._pin
-            out: list[torch.Tensor] = []
+            if [_sig(t, pin) for t in tensors] != self._layout:
+                self._allocate(tensors, pin)
             event = None
             if cuda:
                 device = cuda[0].device
                 if self._stream is None or self._stream.device != device:
                     self._stream = torch.cuda.Stream(device=device)
                 self._stream.wait_stream(torch.cuda.current_stream(device))
-            for i, t in enumerate(tensors):
-                t = _plain(t)
-                buf = self._buffer(i, t, pin and t.device.type == "cuda")
+            for t, buf in zip(tensors, self._buffers):
                 if t.device.type == "cuda":
                     with torch.cuda.stream(self._stream):
                         buf.copy_(t, non_blocking=True)
                     t.record_stream(self._stream)  # the caller may free t: keep it until the copy ran
                 else:
                     buf.copy_(t)
-                out.append(buf)
             if cuda:
                 event = self._stream.record_event()
-            return out, (event.synchronize if event is not None else _nothing)
+            return list(self._buffers), (event.synchronize if event is not None else _nothing)
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates them again)."""
         with self._lock:
-            self._buffers.clear()
+            self._drop()
+
+
+def _sig(t: torch.Tensor, pin: bool) -> tuple:
+    return (t.dtype, tuple(t.shape), pin)
+
+
+def _register_pinned(arena: torch.Tensor) -> Callable[[], None] | None:
+    """Page-lock ``arena`` with cudaHostRegister; return the function that undoes it, or None."""
+    try:
+        cudart = torch.cuda.cudart()
+        ptr, size = arena.data_ptr(), arena.numel()
+        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+            return None
+    except Exception:  # noqa: BLE001 - no CUDA runtime binding here: the caller pins another way
+        return None
+
+    def unpin(arena=arena) -> None:  # holds the arena: it is freed only after the unregister
+        cudart.cudaHostUnregister(arena.data_ptr())
+
+    return unpin
 
 
 def _nothing() -> None:
