@@ -143,10 +143,9 @@ def save(
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel.
     """
-    if process_group is not None or (torch.distributed.is_available() and torch.distributed.is_initialized()
-                                     and torch.distributed.get_world_size() > 1):
-        from .distributed import save_distributed
+    from .distributed import in_distributed_job, save_distributed
 
+    if in_distributed_job(process_group):
         return save_distributed(
             state_dict, path, step=step, metadata=metadata, overwrite=overwrite,
             storage_options=storage_options, chunk_size=chunk_size, sync=sync,

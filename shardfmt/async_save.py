@@ -45,7 +45,6 @@ log = logging.getLogger("shardfmt")
 
 POLICIES = ("wait", "skip")
 STAGES = ("call", "background")
-_ASYNC_GROUPS: dict[tuple, Any] = {}
 
 
 _ALIGN = 512  # bytes: every staged piece starts at a multiple (element sizes, DMA-friendly)
@@ -241,31 +240,6 @@ def _wait_all_at_exit() -> None:
 atexit.register(_wait_all_at_exit)
 
 
-def async_group(process_group=None, timeout: _dt.timedelta | None = None):
-    """The gloo group the background saves of ``process_group`` run their collectives on.
-
-    Created once (a collective: every rank reaches its first async save in the same order)
-    and used only by background saves, so they never interleave with training collectives.
-    """
-    import torch.distributed as dist
-
-    from .distributed import DEFAULT_TIMEOUT
-
-    pg = process_group or dist.group.WORLD
-    timeout = timeout or DEFAULT_TIMEOUT
-    key = (id(pg), timeout.total_seconds())
-    g = _ASYNC_GROUPS.get(key)
-    if g is None:
-        ranks = dist.get_process_group_ranks(pg) if process_group is not None else None
-        g = _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-    return g
-
-
-def _distributed(process_group) -> bool:
-    d = torch.distributed
-    return process_group is not None or (d.is_available() and d.is_initialized() and d.get_world_size() > 1)
-
-
 def _any_rank(flag: bool, process_group, timeout) -> bool:
     """True on every rank when ``flag`` is true on any rank (a tiny all-reduce on the caller's thread)."""
     import torch.distributed as dist
@@ -314,7 +288,14 @@ def async_save(
     called on the background thread with the manifest once committed (before ``wait()``
     returns). Errors in the background are re-raised by ``wait()``.
     """
-    from .distributed import Prepared, _err_payload, prepare, run_save
+    from .distributed import (
+        Prepared,
+        _err_payload,
+        control_group,
+        in_distributed_job,
+        prepare,
+        run_save,
+    )
 
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -322,7 +303,7 @@ def async_save(
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     t0 = time.perf_counter()
     stager = stager or default_stager(process_group)
-    distributed = _distributed(process_group)
+    distributed = in_distributed_job(process_group)
     prev = stager.inflight
     busy = prev is not None and not prev.done()
     if policy == "skip":
@@ -343,7 +324,7 @@ def async_save(
     if distributed:
         import torch.distributed as dist
 
-        group = async_group(process_group, timeout)
+        group = control_group(process_group, timeout, dedicated=True)
         rank = dist.get_rank(group)
     else:
         group, rank = None, 0

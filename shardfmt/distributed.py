@@ -56,18 +56,27 @@ DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)
 _GROUPS: dict[tuple, Any] = {}  # (process group, timeout) -> gloo control group; groups are costly
 
 
-def control_group(process_group=None, timeout: _dt.timedelta | None = None):
+def in_distributed_job(process_group=None) -> bool:
+    """Whether a save runs the distributed protocol: a group was given, or the default one has > 1 rank."""
+    return process_group is not None or (dist.is_available() and dist.is_initialized()
+                                         and dist.get_world_size() > 1)
+
+
+def control_group(process_group=None, timeout: _dt.timedelta | None = None, *, dedicated: bool = False):
     """Return a gloo group over ``process_group``'s ranks with ``timeout`` (created once).
 
     Without ``timeout`` a gloo ``process_group`` is used as it is (its own timeout applies).
+    ``dedicated=True`` always returns a group of its own, used by nothing else (background
+    saves run their collectives there, never interleaved with the caller's); creating it is a
+    collective, so every rank asks for it at the same point.
     """
     pg = process_group or dist.group.WORLD
-    if timeout is None and dist.get_backend(pg) == "gloo":
+    if timeout is None and not dedicated and dist.get_backend(pg) == "gloo":
         # Reuse the caller's gloo group: creating groups under a restarted torchrun job can
         # meet store keys left by the previous attempt (a new group's keys are not per attempt).
         return pg
     timeout = timeout or DEFAULT_TIMEOUT
-    key = (id(pg), timeout.total_seconds())
+    key = (id(pg), timeout.total_seconds(), dedicated)
     g = _GROUPS.get(key)
     if g is None:
         ranks = dist.get_process_group_ranks(pg) if process_group is not None else None
