@@ -1,4 +1,5 @@
-"""reshard: topology, the pure load planner, and offline conversion of shardfmt checkpoints."""
+"""reshard: topology, the pure load planner, and offline tools: ``reshard.convert.convert`` (a
+checkpoint for a new mesh), ``reshard.hf.export_hf`` / ``import_hf`` (the Hugging Face layout)."""
 
 import shardfmt as _shardfmt  # noqa: F401  (import order: shardfmt's API imports reshard's planner)
 

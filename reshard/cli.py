@@ -1,4 +1,6 @@
-"""The ``reshard`` command: ``plan`` shows which saved bytes feed a rank of a new topology.
+"""The ``reshard`` command: ``plan`` shows which saved bytes feed a rank of a new topology;
+``convert`` rewrites a checkpoint for a new mesh; ``export-hf`` / ``import-hf`` move between
+shardfmt and the Hugging Face safetensors layout; ``import-dcp`` reads a DCP checkpoint.
 
 Exit codes: 0 success, 1 the checkpoint or plan is unusable, 2 bad arguments or an
 unreachable path. Errors print one line to stderr, never a traceback.
@@ -18,8 +20,9 @@ from .planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
 from .topology import Mesh, count_layers, held_boxes, layout_from_record, retarget
 
 
-def targets_for_rank(manifest, mesh: Mesh, rank: int) -> list[TargetSlice]:
-    """Every slice ``rank`` of ``mesh`` holds, each tensor laid out as it was saved."""
+def targets_for_rank(manifest, mesh: Mesh, rank: int, *, layouts=None) -> list[TargetSlice]:
+    """Every slice ``rank`` of ``mesh`` holds, each tensor laid out as it was saved, or as
+    ``layouts`` (fqn -> Layout on ``mesh``, e.g. from a rules file) says where it has an entry."""
     coords = mesh.coords(rank)
     sizes = dict(mesh.dims)
     n_layers = count_layers(manifest.tensors)
@@ -28,7 +31,9 @@ def targets_for_rank(manifest, mesh: Mesh, rank: int) -> list[TargetSlice]:
         name, rec = manifest.resolve(fqn)
         if rec.view is not None or name != fqn:
             continue  # aliases and views are filled from what they point at
-        lay = retarget(fqn, layout_from_record(rec.placement), mesh, num_layers=n_layers)
+        lay = layouts.get(fqn) if layouts is not None else None
+        if lay is None:
+            lay = retarget(fqn, layout_from_record(rec.placement), mesh, num_layers=n_layers)
         for hb in held_boxes(rec.shape, lay, coords, sizes):
             out.append(TargetSlice(index=len(out), fqn=fqn, box=hb.box))
     return out
@@ -65,6 +70,89 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_import_dcp(args) -> int:
+    from .dcp_import import TRUST_PICKLE_HELP, import_dcp
+
+    if not args.trust_pickle:
+        print(f"reshard: error: import-dcp needs --trust-pickle. {TRUST_PICKLE_HELP}", file=sys.stderr)
+        return 2
+    rep = import_dcp(args.src, args.dst, trust_pickle=True, storage_options=_opts(args),
+                     memory_budget=args.memory_budget, step=args.step, overwrite=args.overwrite,
+                     skip_unsupported_values=args.skip_unsupported_values)
+    for key, why in rep.skipped:
+        print(f"reshard: warning: skipped value {key!r}: {why}", file=sys.stderr)
+    m = rep.manifest
+    shards = sum(len(t.shards) for t in m.tensors.values() if t.shards)
+    print(f"imported {args.src} -> {args.dst}: {len(m.tensors)} tensors ({shards} shards) in {len(m.files)} "
+          f"files from {m.topology.world_size} ranks, {len(m.values)} values, {rep.bytes_read} bytes read")
+    return 0
+
+
+def _summary(nbytes: int, seconds: float) -> str:
+    from .stream import human
+
+    rate = f", {human(nbytes / seconds)}/s" if seconds > 0 else ""
+    return f"{human(nbytes)} in {seconds:.2f} s{rate}"
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    rep = convert(args.src, args.dst, args.mesh, rules=args.rules, memory_budget=args.memory_budget,
+                  dtype=args.dtype, verify=not args.no_verify, overwrite=args.overwrite, per_rank=args.per_rank,
+                  deep_validate=args.deep_validate, storage_options=_opts(args), progress=not args.no_progress)
+    if args.json:
+        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    for name in rep.dropped_values:
+        print(f"reshard: note: per-rank value {name!r} left out (saved by {rep.src_world} ranks, "
+              f"the new mesh has {rep.world})", file=sys.stderr)
+    for i in rep.unused_rules:
+        print(f"reshard: note: rule {i} of {args.rules} matched no tensor", file=sys.stderr)
+    read = f", read {rep.bytes_read / rep.source_bytes:.2f}x the source" if rep.source_bytes else ""
+    print(f"converted {args.src} -> {args.dst}: {rep.src_world} -> {rep.world} ranks ({args.mesh}), {rep.files} "
+          f"files, {_summary(rep.bytes_written, rep.seconds)}{read}; validated and committed")
+    return 0
+
+
+def cmd_export_hf(args) -> int:
+    from .hf import export_hf
+
+    rep = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, only=args.only,
+                    strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, config=args.config,
+                    memory_budget=args.memory_budget, verify=not args.no_verify, overwrite=args.overwrite,
+                    storage_options=_opts(args), progress=not args.no_progress)
+    if args.json:
+        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    for name, why in rep.omitted:
+        print(f"reshard: note: {name} left out: {why}", file=sys.stderr)
+    if rep.excluded:
+        print(f"reshard: note: {rep.excluded} tensors outside the exported names left out "
+              f"({'not under ' + repr(args.only) if args.only else 'optimizer state'})", file=sys.stderr)
+    if not rep.config_written:
+        print("reshard: note: no config.json written (none in the checkpoint's metadata['hf_config']; "
+              "pass --config)", file=sys.stderr)
+    print(f"exported {args.src} -> {args.dst}: {rep.tensors} tensors in {len(rep.files)} file(s), "
+          f"{_summary(rep.total_size, rep.seconds)}")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from .hf import import_hf
+
+    rep = import_hf(args.src, args.dst, mesh=args.mesh, rules=args.rules, dtype=args.dtype,
+                    memory_budget=args.memory_budget, overwrite=args.overwrite, storage_options=_opts(args),
+                    progress=not args.no_progress)
+    if args.json:
+        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    tied = f"; {rep.tied_alias} also serves lm_head.weight (tied)" if rep.tied_alias else ""
+    print(f"imported {args.src} -> {args.dst}: {rep.tensors} tensors from {len(rep.source_files)} file(s) into "
+          f"{rep.manifest.topology.world_size} rank(s), {_summary(rep.bytes_written, rep.seconds)}{tied}")
+    return 0
+
+
 def _opts(args):
     if not getattr(args, "storage_options", None):
         return None
@@ -87,6 +175,82 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--storage-options", metavar="JSON")
     pl.set_defaults(func=cmd_plan)
+    di = sub.add_parser(
+        "import-dcp", help="import a torch.distributed.checkpoint directory (.metadata + .distcp) keeping its shards",
+        description="Import a torch.distributed.checkpoint directory as a shardfmt checkpoint: every saved "
+                    "chunk becomes a shard with the same box, non-tensor values become typed JSON. "
+                    "DCP's .metadata is a Python pickle, which can run code when loaded: it is read only with "
+                    "--trust-pickle, through a restricted unpickler that refuses every global except DCP's "
+                    "metadata classes, torch.Size and torch dtypes; tensor data is read with "
+                    "torch.load(weights_only=True).")
+    di.add_argument("src", help="DCP checkpoint directory (holding .metadata)")
+    di.add_argument("dst", help="shardfmt checkpoint to create")
+    di.add_argument("--trust-pickle", action="store_true",
+                    help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
+    di.add_argument("--step", type=int, help="training step to record in the manifest")
+    di.add_argument("--memory-budget", type=int, default=1 << 30, metavar="BYTES",
+                    help="tensor bytes held at once; each rank's file is split into parts of at most this "
+                         "(a larger single chunk is a part of its own; default 1 GiB)")
+    di.add_argument("--skip-unsupported-values", action="store_true",
+                    help="skip (with a warning) non-tensor values that are not typed-JSON representable "
+                         "instead of refusing the import")
+    di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    di.set_defaults(func=cmd_import_dcp)
+    budget_help = "tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); default 1GiB"
+    cv = sub.add_parser("convert", help="rewrite a checkpoint for a new mesh: each new rank's slices in its own file",
+                        description="Rewrite SRC for a new topology as DST: every rank of MESH gets a data file with "
+                                    "the slices it holds (replicated slices written once, balanced across ranks), "
+                                    "streaming in bounded memory; the result is validated before it is committed.")
+    cv.add_argument("src")
+    cv.add_argument("dst")
+    cv.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=1,dp=2,tp=4")
+    cv.add_argument("--rules", metavar="FILE", help="JSON placement rules (regex on FQN -> placement); see README")
+    cv.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    cv.add_argument("--dtype", help="cast floating tensors, e.g. bf16, fp16, fp32")
+    cv.add_argument("--per-rank", choices=("drop", "error"), default="drop",
+                    help="per-rank values (RNG states) when the world size changes: leave out (default) or refuse")
+    cv.add_argument("--deep-validate", action="store_true", help="re-hash every written chunk before committing")
+    cv.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
+    cv.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    cv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cv.add_argument("--json", action="store_true", help="print the report as JSON")
+    cv.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    cv.set_defaults(func=cmd_convert)
+    ex = sub.add_parser("export-hf", help="write the Hugging Face layout (model*.safetensors, index, config.json)",
+                        description="Export SRC as a directory transformers' from_pretrained loads: safetensors "
+                                    "shards, model.safetensors.index.json when there are several, config.json from "
+                                    "the checkpoint's metadata['hf_config'] or --config.")
+    ex.add_argument("src")
+    ex.add_argument("dst")
+    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default 5GB = 5*10^9)")
+    ex.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
+    ex.add_argument("--only", metavar="PREFIX", help="export only the subtree PREFIX, with PREFIX. stripped "
+                                                     "(e.g. --only model for a Checkpointer's {'model': ...})")
+    ex.add_argument("--strip-prefix", metavar="P", help="remove P from the start of every name that has it")
+    ex.add_argument("--add-prefix", metavar="P", help="prepend P to every name")
+    ex.add_argument("--config", metavar="FILE", help="config.json to write (overrides the checkpoint's)")
+    ex.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    ex.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
+    ex.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    ex.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    ex.set_defaults(func=cmd_export_hf)
+    im = sub.add_parser("import-hf", help="import a Hugging Face safetensors directory as a shardfmt checkpoint",
+                        description="Import an HF safetensors model (one file or indexed) as DST: one rank, or "
+                                    "each rank of --mesh with its own file (placements from --rules).")
+    im.add_argument("src", help="directory with model.safetensors or model.safetensors.index.json")
+    im.add_argument("dst")
+    im.add_argument("--mesh", help="lay the tensors out on this mesh, e.g. tp=4 (default: one rank)")
+    im.add_argument("--rules", metavar="FILE", help="JSON placement rules for --mesh; see README")
+    im.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
+    im.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    im.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    im.add_argument("--no-progress", action="store_true", help="no progress bar")
+    im.add_argument("--json", action="store_true", help="print the report as JSON")
+    im.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    im.set_defaults(func=cmd_import_hf)
     return p
 
 
@@ -97,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        print(f"reshard: error: {e}", file=sys.stderr)
+    except ValueError as e:  # bad arguments: a mesh, a rules file, a budget, a size
+        kind = f"{type(e).__name__}: " if isinstance(e, ShardfmtError) else ""
+        print(f"reshard: error: {kind}{e}", file=sys.stderr)
         return 2
     except ShardfmtError as e:
         print(f"reshard: {type(e).__name__}: {e}", file=sys.stderr)

@@ -11,7 +11,7 @@ is copied anywhere. Reads run on a small thread pool; files are opened once.
 
 from __future__ import annotations
 
-import os
+import queue
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,8 +44,11 @@ class _Readers:
         with self._lock:
             r = self._open.get(name)
             if r is None:
-                r = self._storage.open_reader(self._storage.join(self._root, name))
                 want = self._files[name].size
+                # Object stores: trust the manifest's size (a HEAD per file saved); a short
+                # file then fails its ranged read, a changed one its chunk hashes.
+                r = self._storage.open_reader(self._storage.join(self._root, name),
+                                              size=want if self._storage.object_store else None)
                 if r.size != want:
                     r.close()
                     raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")
@@ -80,11 +83,16 @@ def _is_run(item: CopyItem, isz: int) -> bool:
 
 
 class Executor:
-    """Fill ``targets[i]`` (shaped like target ``i``'s box) from the plan's reads."""
+    """Fill ``targets[i]`` (shaped like target ``i``'s box) from the plan's reads.
+
+    ``bounce_buffers`` (uint8, one per worker) serve as the workers' bounce buffers instead
+    of buffers allocated per run, so a caller running many plans (offline conversion under a
+    memory budget) keeps one fixed set; each must hold the plan's largest bounced read.
+    """
 
     def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
                  chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
-                 workers: int = DEFAULT_WORKERS) -> None:
+                 workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = ()) -> None:
         self.storage = storage
         self.root = root
         self.files = files
@@ -92,12 +100,18 @@ class Executor:
         self.src_dtypes = src_dtypes
         self.targets = targets
         self.workers = workers
+        self._given = tuple(bounce_buffers)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
 
     def run(self, plan: LoadPlan) -> None:
+        self._local = threading.local()
+        self._free = queue.SimpleQueue()
+        for b in self._given:
+            self._free.put(b)
         readers = _Readers(self.storage, self.root, self.files)
         try:
-            workers = min(self.workers, len(plan.reads), os.cpu_count() or 1)
+            workers = min(self.workers, len(plan.reads), self.storage.read_concurrency)
             if workers <= 1:
                 for r in plan.reads:
                     self._one(r, readers, plan.verify)
@@ -154,7 +168,15 @@ class Executor:
         """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for
         every read (allocating per read lets the C allocator keep the freed blocks: RSS creeps)."""
         buf = getattr(self._local, "buf", None)
+        if buf is None and self._given:
+            try:
+                buf = self._local.buf = self._free.get_nowait()
+            except queue.Empty:
+                pass
         if buf is None or buf.numel() < n:
+            if self._given:
+                raise ShardfmtError(f"internal: a read of {n} bytes does not fit the "
+                                    f"{self._given[0].numel()}-byte bounce buffers it was given")
             buf = self._local.buf = torch.empty(n, dtype=torch.uint8)
         return buf[:n]
 
@@ -163,6 +185,13 @@ class Executor:
         hasher = ChunkHasher(self.chunk_size) if verify else None
         pos = read.byte_range.start
         try:
+            if self.storage.object_store:  # a request is a round trip: one GET for the whole read
+                reader.readinto(pos, segments)
+                if hasher is not None:
+                    for seg in segments:
+                        for off in range(0, len(seg), READ_PIECE):
+                            hasher.update(seg[off : off + READ_PIECE])
+                segments = []
             for seg in segments:
                 for off in range(0, len(seg), READ_PIECE):
                     piece = seg[off : off + READ_PIECE]

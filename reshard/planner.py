@@ -134,12 +134,19 @@ def plan_load(
     max_read: int = DEFAULT_MAX_READ,
     bounce: frozenset[int] = frozenset(),
     max_bounce_read: int = DEFAULT_MAX_BOUNCE_READ,
+    one_group_per_file: bool = False,
 ) -> LoadPlan:
     """Return the reads and copies that fill every target from the manifest's shards.
 
     Targets whose index is in ``bounce`` will be filled through a bounce buffer (strided,
     cast or device targets): their reads are kept to ``max_bounce_read`` bytes so the
     buffers stay small; the others land in place and may use ``max_read``.
+
+    A file's bounced and in-place reads are grouped separately, so a hash chunk where the
+    two meet is read by both. ``one_group_per_file`` reads every span of a file that has a
+    bounced one through the bounce buffer too (spans are then cut to ``max_bounce_read``):
+    each chunk is read once per plan, at the cost of a copy (offline tools that want every
+    source byte read once).
     """
     max_bounce_read = min(max_bounce_read, max_read)
     indexes: dict[str, _ShardIndex] = {}
@@ -171,9 +178,11 @@ def plan_load(
         for shard, inter in hits:
             used[(shard.file, shard.key)] = (t.fqn, shard)
             local = inter.relative_to(Box(shard.offsets, shard.lengths))
-            # strided pieces (a column slice) are gathered through a buffer too: keep those reads small
-            is_bounce = t.index in bounce or not is_run(shard.lengths, local)
-            cap = max_bounce_read if is_bounce else max_read
+            # strided pieces (a column slice of the shard, or landing in a column slice of the
+            # target) are gathered through a buffer too: keep those reads small
+            is_bounce = (t.index in bounce or not is_run(shard.lengths, local)
+                         or not is_run(t.box.lengths, inter.relative_to(t.box)))
+            cap = max_bounce_read if is_bounce or one_group_per_file else max_read
             strides = row_major_strides(shard.lengths)
             base = shard.byte_range[0]
             items = per_file.setdefault((shard.file, is_bounce), [])
@@ -187,6 +196,10 @@ def plan_load(
                     dst_offsets=tuple(shard.offsets[d] + span.box.offsets[d] - t.box.offsets[d]
                                       for d in range(t.box.ndim)),
                 ))
+    if one_group_per_file:
+        for fname, is_bounce in list(per_file):
+            if is_bounce and (fname, False) in per_file:
+                per_file[(fname, True)].extend(per_file.pop((fname, False)))
     reads: list[PhysicalRead] = []
     for fname, is_bounce in sorted(per_file):
         reads.extend(_group(fname, per_file[(fname, is_bounce)], manifest, verify=verify, max_gap=max_gap,

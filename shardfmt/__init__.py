@@ -9,9 +9,11 @@ from .api import LoadReport, load, save  # noqa: E402
 from .async_save import AsyncSave, Stager, async_save  # noqa: E402
 from .checkpointer import Checkpointer, CompatibilityError  # noqa: E402
 from .errors import (  # noqa: E402
+    AccessDeniedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CommitError,
+    DcpImportError,
     DTypeError,
     EncodingError,
     FormatVersionError,
@@ -24,11 +26,13 @@ from .errors import (  # noqa: E402
     ShardfmtError,
     StateDictError,
     StorageError,
+    UnsafePickleError,
 )
 from .manifest import Manifest  # noqa: E402
 from .reader import open_checkpoint, read_manifest  # noqa: E402
 from .sampler import ResumableSampler  # noqa: E402
 from .state import PerRank, ShardedTensor  # noqa: E402
+from .storage import io_stats  # noqa: E402
 from .validation import Problem, ValidationReport, validate  # noqa: E402
 from .writer import CheckpointWriter, ShardData  # noqa: E402
 
@@ -68,5 +72,9 @@ __all__ = [
     "EncodingError",
     "PlanError",
     "StorageError",
+    "AccessDeniedError",
+    "io_stats",
+    "DcpImportError",
+    "UnsafePickleError",
 ]
 

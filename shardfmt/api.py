@@ -21,7 +21,6 @@ from reshard.executor import DEFAULT_WORKERS, Executor
 from reshard.geometry import Box
 from reshard.planner import (
     DEFAULT_MAX_BOUNCE_READ,
-    DEFAULT_MAX_GAP,
     DEFAULT_MAX_READ,
     TargetSlice,
     plan_load,
@@ -244,7 +243,7 @@ def load(
     per_rank: str = "error",
     process_group=None,
     storage_options: dict | None = None,
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
     max_read: int = DEFAULT_MAX_READ,
     workers: int = DEFAULT_WORKERS,
 ) -> LoadReport:
@@ -317,8 +316,12 @@ def load(
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
     bounce = frozenset(t.index for t in targets
                        if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index]))
+    if max_gap is None:
+        max_gap = ckpt.storage.max_gap  # larger where a request costs a round trip (object stores)
+    workers = max(workers, min(ckpt.storage.read_concurrency, 16)) if ckpt.storage.object_store else workers
     plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce,
-                     max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size))
+                     max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size,
+                                                       object_store=ckpt.storage.object_store))
     before = ckpt.storage.stats.snapshot()
     if verify:
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
@@ -367,12 +370,15 @@ def _rank_and_world(rank: int | None, process_group) -> tuple[int, int]:
     return (rank or 0), 1 if rank is None else max(rank + 1, 1)
 
 
-def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chunk: int) -> int:
-    """Bounce reads of 1/32 of the rank's share (8-32 MiB): a read rounded out to whole chunks
-    re-reads at most one chunk it shares with the next, so larger reads waste less, while the
-    per-worker buffers stay a few percent of what the rank loads."""
+def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chunk: int, *,
+                      object_store: bool = False) -> int:
+    """Bounce reads of 1/32 of the rank's share: a read rounded out to whole chunks re-reads at
+    most one chunk it shares with the next, so larger reads waste less, while the per-worker
+    buffers stay a few percent of what the rank loads. 8-32 MiB on local disk; 16-64 MiB on
+    object stores, where each read is a round trip (fewer GETs, larger buffers)."""
     share = sum(t.box.numel * dsts[t.index].element_size() for t in targets)
-    size = min(max(share // 32, DEFAULT_MAX_BOUNCE_READ), 4 * DEFAULT_MAX_BOUNCE_READ)
+    lo = 2 * DEFAULT_MAX_BOUNCE_READ if object_store else DEFAULT_MAX_BOUNCE_READ
+    size = min(max(share // 32, lo), 4 * lo)
     return max(chunk, size // chunk * chunk)
 
 

@@ -17,14 +17,24 @@ only after the new checkpoint is committed.
     4) only then is non-tensor state applied (optimizer, scheduler, sampler, RNG)
 
 When checkpoints exist but none is valid, restore raises unless ``allow_fresh_start``.
+
+Tiering: with ``archive=<url>`` rank 0 copies a committed checkpoint there in the background
+whenever ⌊step / archive_every⌋ exceeds that of the last one archived (``archive.py``: streamed,
+verified by hashes there, then committed there). Failed copies are retried with backoff and
+reported as warnings (and in ``archive_errors``); they never block or fail training. When no
+checkpoint under ``root`` is valid (the disk died), ``restore`` falls back to the archive.
+``wait()`` blocks until every background save and archive copy has finished.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
+import threading
 import warnings
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -39,12 +49,11 @@ from .errors import (
 )
 from .reader import open_checkpoint
 from .retention import (
-    DEFAULT_LEASE_SECONDS,
-    lease_expired,
     parse_step_dir,
     step_dir_name,
     to_delete,
 )
+from .roots import QUARANTINED_NAME, CheckpointInfo, collect_garbage, list_steps
 from .state import PerRank
 from .storage import get_storage
 
@@ -54,13 +63,6 @@ _FAILURES = (ShardfmtError, OSError)
 
 class CompatibilityError(StateDictError):
     """The checkpoint was written for a different model or config."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CheckpointInfo:
-    step: int
-    path: str
-    status: str  # committed | incomplete | corrupt
 
 
 def _is_module(v) -> bool:
@@ -85,9 +87,14 @@ class Checkpointer:
     def __init__(self, root: str, *, keep_last: int = 3, keep_every: int | None = None,
                  config: Any = None, allow_fresh_start: bool = False, storage_options: dict | None = None,
                  process_group=None, timeout: _dt.timedelta | None = None,
-                 lease_seconds: float = DEFAULT_LEASE_SECONDS, mesh: Mapping[str, int] | None = None) -> None:
+                 lease_seconds: float | None = None, mesh: Mapping[str, int] | None = None,
+                 archive: str | None = None, archive_every: int = 1,
+                 archive_storage_options: dict | None = None, archive_attempts: int = 4,
+                 archive_backoff: float = 2.0) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
+        if archive_every < 1:
+            raise ValueError("archive_every must be >= 1")
         self.storage, self.root = get_storage(root, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -96,10 +103,24 @@ class Checkpointer:
         self.storage_options = storage_options
         self.process_group = process_group
         self.timeout = timeout
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = self.storage.lease_seconds if lease_seconds is None else lease_seconds
         self.mesh = mesh
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []
+        self.archive_storage, self.archive_root = (get_storage(archive, archive_storage_options)
+                                                   if archive else (None, None))
+        self.archive_every = archive_every
+        self.archive_storage_options = archive_storage_options
+        self.archive_attempts = archive_attempts
+        self.archive_backoff = archive_backoff
+        self.archive_errors: list[str] = []
+        self._archive_pool: ThreadPoolExecutor | None = None
+        self._archive_jobs: list[Future] = []
+        self._archiving: set[str] = set()  # local paths being copied: retention leaves them alone
+        self._archive_lock = threading.Lock()
+        self._last_archived_bucket: int | None = None
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref()._wait_quietly())
 
     # ------------------------------------------------------------------ distributed helpers
     def _dist(self) -> bool:
@@ -176,7 +197,12 @@ class Checkpointer:
                 "signature": signature, "entries": sorted(state), "world_size": self._world()}
         path = self.storage.join(self.root, step_dir_name(step))
         self.storage.makedirs(self.root)
-        url = path if "://" not in self.root else self.root.rstrip("/") + "/" + step_dir_name(step)
+        url = self.storage.url(path)
+        if (not self.storage.atomic_rename and self._rank() == 0
+                and self.storage.exists(self.storage.join(path, QUARANTINED_NAME))):
+            # object stores quarantine in place (no rename): a new save of the step replaces it
+            warnings.warn(f"{url}: replacing the quarantined checkpoint of step {step}", stacklevel=2)
+            self.storage.remove_tree(path)
         common = dict(step=step, metadata=meta, storage_options=self.storage_options,
                       process_group=self.process_group, timeout=self.timeout, mesh=self.mesh)
         if async_:
@@ -188,9 +214,10 @@ class Checkpointer:
                                 on_commit=self._after_async_commit, **common)
             self._pending = [h for h in self._pending if not h.done()] + [handle]
             return handle
-        self.wait()
+        self._wait_saves()
         save(sd, url, **common)
         if self._rank() == 0:
+            self._maybe_archive(step, path)
             self._apply_retention()
         return path
 
@@ -198,12 +225,64 @@ class Checkpointer:
         if self._rank() != 0:
             return
         try:
+            self._maybe_archive(manifest.step, self.storage.join(self.root, step_dir_name(manifest.step)))
             self._apply_retention()
         except _FAILURES as e:  # the checkpoint is committed; a failed clean-up must not fail it
             warnings.warn(f"{self.root}: retention after step {manifest.step} failed: {e}", stacklevel=2)
 
-    def wait(self) -> None:
-        """Block until every background save has finished; raise the first one's error."""
+    # ------------------------------------------------------------------ archive tier
+    def _archived_steps(self) -> list[int]:
+        from .commit import is_committed
+
+        st, root = self.archive_storage, self.archive_root
+        if not st.exists(root):
+            return []
+        return sorted(s for name in st.listdir(root) if (s := parse_step_dir(name)) is not None
+                      and is_committed(st, st.join(root, name)))
+
+    def _maybe_archive(self, step: int, path: str) -> None:
+        """Queue a background copy of ``step`` when its ⌊step / archive_every⌋ is new."""
+        if self.archive_storage is None:
+            return
+        with self._archive_lock:
+            if self._last_archived_bucket is None:
+                try:
+                    done = self._archived_steps()
+                except _FAILURES as e:
+                    done = []
+                    warnings.warn(f"{self.archive_root}: cannot list the archive: {e}", stacklevel=3)
+                self._last_archived_bucket = max((s // self.archive_every for s in done), default=-1)
+            bucket = step // self.archive_every
+            if bucket <= self._last_archived_bucket:
+                return
+            self._last_archived_bucket = bucket
+            self._archiving.add(path)
+            if self._archive_pool is None:
+                self._archive_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-archive")
+            self._archive_jobs.append(self._archive_pool.submit(self._archive_one, step, path))
+
+    def _archive_one(self, step: int, path: str) -> None:
+        from .archive import copy_checkpoint, copy_with_retries
+
+        dst = self.archive_storage.join(self.archive_root, step_dir_name(step))
+        where = self.archive_storage.url(dst)
+
+        def retry(i: int, e: BaseException) -> None:
+            warnings.warn(f"archiving step {step} to {where} failed (attempt {i} of {self.archive_attempts}, "
+                          f"retrying): {e}", stacklevel=2)
+
+        try:
+            copy_with_retries(lambda: copy_checkpoint(self.storage, path, self.archive_storage, dst),
+                              attempts=self.archive_attempts, backoff=self.archive_backoff, on_retry=retry)
+        except Exception as e:  # noqa: BLE001 - never into training: reported instead
+            msg = f"archiving step {step} to {where} failed: {type(e).__name__}: {e}"
+            self.archive_errors.append(msg)
+            warnings.warn(msg, stacklevel=2)
+        finally:
+            with self._archive_lock:
+                self._archiving.discard(path)
+
+    def _wait_saves(self) -> None:
         pending, self._pending = self._pending, []
         errors = []
         for h in pending:
@@ -214,13 +293,34 @@ class Checkpointer:
         if errors:
             raise errors[0]
 
+    def wait(self) -> None:
+        """Block until every background save and archive copy has finished.
+
+        Raises the first background save's error; archive failures are in ``archive_errors``.
+        """
+        try:
+            self._wait_saves()
+        finally:
+            jobs, self._archive_jobs = self._archive_jobs, []
+            for f in jobs:
+                f.result()
+
+    def _wait_quietly(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - at interpreter exit: the error was raised or warned already
+            pass
+
     def close(self) -> None:
-        """Wait for background saves and drop the staging buffers."""
+        """Wait for background saves and archive copies, and drop the staging buffers."""
         try:
             self.wait()
         finally:
             if self._stager is not None:
                 self._stager.release()
+            if self._archive_pool is not None:
+                self._archive_pool.shutdown(wait=True)
+                self._archive_pool = None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -232,46 +332,24 @@ class Checkpointer:
         committed = [i for i in self.list() if i.status == "committed"]
         for step in to_delete([i.step for i in committed], keep_last=self.keep_last, keep_every=self.keep_every):
             info = next(i for i in committed if i.step == step)
+            with self._archive_lock:
+                if info.path in self._archiving:
+                    continue  # being copied to the archive: removed by a later retention pass
             self.storage.remove_tree(info.path)
         self.collect_garbage()
 
     def collect_garbage(self, *, now: float | None = None) -> list[str]:
-        """Remove staging dirs of dead saves (lease expired); never a live save's."""
-        import time
+        """Remove what dead saves left (their lease expired); never a live save's.
 
-        now = time.time() if now is None else now
-        removed = []
-        for name in self._names():
-            if ".tmp-" not in name:
-                continue
-            path = self.storage.join(self.root, name)
-            try:
-                if lease_expired(self.storage.mtime(path), now, self.lease_seconds):
-                    self.storage.remove_tree(path)
-                    removed.append(path)
-            except ShardfmtError:
-                continue
-        return removed
+        That is staging dirs (``.tmp-``) on local disk, and on object stores uncommitted
+        ``step_*`` prefixes and multipart uploads under root that were never completed.
+        """
+        return collect_garbage(self.storage, self.root, lease_seconds=self.lease_seconds, now=now)
 
     # ------------------------------------------------------------------ discovery
-    def _names(self) -> list[str]:
-        if not self.storage.exists(self.root):
-            return []
-        return self.storage.listdir(self.root)
-
     def list(self) -> list[CheckpointInfo]:
         """Every ``step_*`` under root, oldest first, with its status (quick checks only)."""
-        from .cli import checkpoint_status
-
-        out = []
-        for name in self._names():
-            step = parse_step_dir(name)
-            if step is None:
-                continue
-            path = self.storage.join(self.root, name)
-            status, _, _, _ = checkpoint_status(self.storage, path)
-            out.append(CheckpointInfo(step=step, path=path, status=status))
-        return sorted(out, key=lambda i: i.step)
+        return list_steps(self.storage, self.root)
 
     def latest(self) -> str | None:
         """The newest committed checkpoint (never an in-flight save)."""
@@ -286,7 +364,7 @@ class Checkpointer:
             if self.storage.atomic_rename:
                 self.storage.rename(path, dest)
             else:
-                self.storage.write_bytes(self.storage.join(path, "QUARANTINED"), reason.encode())
+                self.storage.write_bytes(self.storage.join(path, QUARANTINED_NAME), reason.encode())
         except ShardfmtError as e:
             warnings.warn(f"could not quarantine {path}: {e}", stacklevel=3)
 
@@ -298,17 +376,18 @@ class Checkpointer:
             if _is_module(obj) and any(t.is_meta for t in list(obj.parameters()) + list(obj.buffers())):
                 obj.to_empty(device="cpu")  # a model built on the meta device gets real storage to load into
         rank = self._rank()
-        infos = self.list() if rank == 0 else []
-        choice = self._broadcast({"candidates": [[i.step, i.path] for i in reversed(infos) if i.status == "committed"],
-                                  "any": bool(infos)})
-        for step, path in choice["candidates"]:
+        choice = self._broadcast(self._candidates() if rank == 0 else None)
+        for step, tier, path in choice["candidates"]:
+            storage, opts = ((self.storage, self.storage_options) if tier == "root"
+                             else (self.archive_storage, self.archive_storage_options))
             sd, signature = self._state_dicts(state)
             sd[RNG_KEY] = PerRank(None)
             err = None
             try:
-                manifest = open_checkpoint(path, storage=self.storage).manifest
+                manifest = open_checkpoint(path, storage=storage).manifest
                 self._check_compat(path, manifest, signature, state, allow_mismatch)
-                report = load(sd, path, strict=False, per_rank="skip", process_group=self.process_group)
+                report = load(sd, storage.url(path), strict=False, per_rank="skip",
+                              process_group=self.process_group, storage_options=opts)
             except CompatibilityError:
                 raise
             except _FAILURES as e:
@@ -317,19 +396,38 @@ class Checkpointer:
             bad = [(r, e) for r, e in enumerate(errors) if e]
             if bad:
                 why = "; ".join(f"rank {r}: {e}" for r, e in bad[:4])
-                warnings.warn(f"checkpoint {path} is unusable, falling back to the previous one: {why}",
-                              stacklevel=2)
-                if rank == 0:
+                warnings.warn(f"checkpoint {storage.url(path)} is unusable, falling back to the previous one: "
+                              f"{why}", stacklevel=2)
+                if rank == 0 and tier == "root":
                     self._quarantine(path, why)
                 if self._dist():
                     self._all_gather(None)  # the quarantine is done before anyone moves on
                 continue
+            if tier == "archive":
+                warnings.warn(f"{self.storage.url(self.root)}: no valid checkpoint; restored step {step} from the "
+                              f"archive {storage.url(path)}", stacklevel=2)
             self._apply(state, sd, report, manifest)
             return step
         if choice["any"] and not self.allow_fresh_start:
-            raise CheckpointNotFoundError(f"{self.root}: checkpoints exist but none is valid "
+            raise CheckpointNotFoundError(f"{self.storage.url(self.root)}: checkpoints exist but none is valid "
                                           "(pass allow_fresh_start=True to train from scratch)")
         return None
+
+    def _candidates(self) -> dict:
+        """Committed checkpoints to try, newest first: root's, then (the disk died) the archive's."""
+        out, seen_any = [], False
+        tiers = [("root", self.storage, self.root)]
+        if self.archive_storage is not None:
+            tiers.append(("archive", self.archive_storage, self.archive_root))
+        for tier, storage, root in tiers:
+            try:
+                infos = list_steps(storage, root)
+            except _FAILURES as e:
+                warnings.warn(f"{storage.url(root)}: cannot list checkpoints: {e}", stacklevel=3)
+                continue
+            seen_any = seen_any or bool(infos)
+            out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
+        return {"candidates": out, "any": seen_any}
 
     def _check_compat(self, path, manifest, signature, state, allow_mismatch) -> None:
         from . import jsonvalue

@@ -1,4 +1,4 @@
-"""The ``shardfmt`` command: validate, inspect, ls, demo.
+"""The ``shardfmt`` command: validate, inspect, ls, gc, demo.
 
 Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments or an
 unreachable path. Errors print one line to stderr, never a traceback.
@@ -13,7 +13,6 @@ from collections import Counter
 import orjson
 
 from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME
 
 
 def _print_json(obj) -> None:
@@ -107,51 +106,9 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def checkpoint_status(storage, path: str) -> tuple[str, int | None, int | None, str]:
-    """Return (status, step, size, reason) of one checkpoint directory, quickly."""
-    from .reader import open_checkpoint
-
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    if ".tmp-" in name:
-        return "incomplete", None, None, "staging dir of an unfinished save"
-    if not storage.exists(storage.join(path, COMMITTED_NAME)):
-        return "incomplete", None, None, f"no {COMMITTED_NAME}"
-    try:
-        ckpt = open_checkpoint(path, storage=storage)
-    except ShardfmtError as e:
-        return "corrupt", None, None, str(e)
-    m = ckpt.manifest
-    for fname, f in m.files.items():
-        try:
-            size = storage.size(storage.join(path, fname))
-        except ShardfmtError:
-            return "corrupt", m.step, None, f"{fname} is missing"
-        if size != f.size:
-            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
-    return "committed", m.step, sum(f.size for f in m.files.values()), ""
-
-
-def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
-    """Every checkpoint-like directory under ``root`` with its status."""
-    from .storage import get_storage
-
-    storage, root = get_storage(root, storage_options)
-    if not storage.isdir(root):
-        raise CheckpointNotFoundError(f"{root}: not a directory")
-    out = []
-    for name in storage.listdir(root):
-        path = storage.join(root, name)
-        if not storage.isdir(path):
-            continue
-        inner = set(storage.listdir(path))
-        if not inner & {COMMITTED_NAME, MANIFEST_NAME, "data"} and ".tmp-" not in name:
-            continue
-        status, step, size, reason = checkpoint_status(storage, path)
-        out.append({"name": name, "path": path, "status": status, "step": step, "size": size, "reason": reason})
-    return out
-
-
 def cmd_ls(args) -> int:
+    from .roots import list_checkpoints
+
     rows = list_checkpoints(args.root, _storage_options(args))
     if args.json:
         _print_json(rows)
@@ -165,6 +122,22 @@ def cmd_ls(args) -> int:
         size = "-" if r["size"] is None else _human(r["size"])
         extra = f"  ({r['reason']})" if r["reason"] else ""
         print(f"{r['name']:<36} {step:>10} {size:>12}  {r['status']}{extra}")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    from .roots import collect_garbage
+    from .storage import get_storage
+
+    storage, root = get_storage(args.root, _storage_options(args))
+    removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run)
+    if args.json:
+        _print_json({"removed": removed, "dry_run": args.dry_run})
+    elif not removed:
+        print(f"{args.root}: nothing to collect")
+    else:
+        for u in removed:
+            print(("would remove " if args.dry_run else "removed ") + u)
     return 0
 
 
@@ -197,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("root")
     add_common(ls)
     ls.set_defaults(func=cmd_ls)
+
+    g = sub.add_parser("gc", help="remove what dead saves left under ROOT (never a live save's)")
+    g.add_argument("root")
+    g.add_argument("--lease-seconds", type=float, default=None,
+                   help="a save whose lease is older than this is dead (default: 600 local, 120 object stores)")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    add_common(g)
+    g.set_defaults(func=cmd_gc)
 
     d = sub.add_parser("demo", help="train on 2 ranks, SIGKILL one, resume, and compare bit for bit")
     d.add_argument("--dir", help="where to write (default: a temporary directory)")

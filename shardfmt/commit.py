@@ -25,11 +25,23 @@ simulate a crash at that point).
 from __future__ import annotations
 
 import posixpath
+import time
 from collections.abc import Callable
+
+import orjson
 
 from . import hashing
 from .errors import CheckpointExistsError, CommitError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, DATA_DIR, MANIFEST_NAME, CommitRecord, Manifest
+from .manifest import (
+    COMMITTED_NAME,
+    DATA_DIR,
+    LEASE_NAME,
+    MANIFEST_NAME,
+    MAX_COMMITTED_BYTES,
+    CommitRecord,
+    Manifest,
+    parse_commit,
+)
 from .storage import Storage
 
 StepHook = Callable[[str], None]
@@ -62,29 +74,60 @@ def is_committed(storage: Storage, path: str) -> bool:
     return storage.exists(storage.join(path, COMMITTED_NAME))
 
 
-def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool) -> str:
-    """Check the destination, create the staging dir, and return where files go."""
+def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
+            lease_seconds: float | None = None, now: float | None = None) -> str:
+    """Check the destination, create the staging location, and return where files go.
+
+    On an object store the files go straight under ``path``. An uncommitted prefix there is
+    a dead save's leftover once its lease has expired, and is removed; while its lease is
+    fresh it is a save in progress and this save refuses to start.
+    """
     if storage.exists(path):
         if is_committed(storage, path):
             if not overwrite:
                 raise CheckpointExistsError(
-                    f"{path}: a committed checkpoint is already there (pass overwrite=True to replace it)"
+                    f"{storage.url(path)}: a committed checkpoint is already there (pass overwrite=True to replace it)"
                 )
             if not storage.atomic_rename:
-                raise CommitError(f"{path}: overwriting a checkpoint on this storage is not supported; "
+                raise CommitError(f"{storage.url(path)}: overwriting a checkpoint on this storage is not supported; "
                                   "save to a new path")
+        elif not storage.atomic_rename:
+            lease = storage.lease_seconds if lease_seconds is None else lease_seconds
+            age = (time.time() if now is None else now) - storage.mtime(path)
+            if age <= lease and not _holder_is_dead(storage, path):
+                raise CheckpointExistsError(
+                    f"{storage.url(path)}: another save is in progress there (its lease was refreshed "
+                    f"{age:.0f} s ago; a dead save's leftover is removed once its {lease:.0f} s lease expires)")
+            storage.remove_tree(path)  # a dead save's leftover: nothing a loader trusts
         elif storage.isdir(path) and storage.listdir(path) and not overwrite:
             raise CheckpointExistsError(
                 f"{path}: exists, is not empty and is not a committed checkpoint; refusing to replace it "
                 "(pass overwrite=True)"
             )
-        elif not storage.atomic_rename:
-            storage.remove_tree(path)  # an uncommitted leftover: nothing a loader trusts
     target = staging_path(path, save_id) if storage.atomic_rename else path
-    if storage.exists(target):
+    if storage.atomic_rename and storage.exists(target):
         raise CommitError(f"{target}: staging location already exists (save id reused?)")
     storage.makedirs(storage.join(target, DATA_DIR))
+    if not storage.atomic_rename:
+        storage.touch(target)  # take the lease before the first data byte
     return target
+
+
+def _holder_is_dead(storage: Storage, path: str) -> bool:
+    """Whether the lease at ``path`` was taken by a process of this host that no longer runs
+    (a job restarted on the same node need not wait out its dead predecessor's lease)."""
+    import os
+
+    try:
+        holder = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+        if holder.get("host") != os.uname().nodename or not isinstance(holder.get("pid"), int):
+            return False
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except (ShardfmtError, OSError, ValueError, AttributeError):
+        return False
+    return False
 
 
 def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
@@ -95,16 +138,24 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
     writing (a racing save of the same step) wins: this one raises CheckpointExistsError.
     """
     step = on_step or (lambda name: None)
-    if not storage.atomic_rename and is_committed(storage, path) and staging != path:
-        raise CheckpointExistsError(f"{path}: another save committed here first")
+    if not storage.atomic_rename and is_committed(storage, staging):
+        raise CheckpointExistsError(f"{storage.url(path)}: another save committed here first")
     step("files_written")
     manifest_bytes = manifest.to_json()
     record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
     storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
     step("manifest_written")
-    storage.write_bytes(storage.join(staging, COMMITTED_NAME), record.to_json())
+    marker = storage.join(staging, COMMITTED_NAME)
+    try:
+        storage.write_bytes(marker, record.to_json(), exclusive=not storage.atomic_rename)
+    except CheckpointExistsError:
+        raise CheckpointExistsError(f"{storage.url(path)}: another save committed here first") from None
     step("committed_written")
     if not storage.atomic_rename:
+        # Where the store cannot write "only if absent", a racing save could have replaced
+        # our marker: read it back, so a save never reports a commit that is not its own.
+        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES), source=marker) != record:
+            raise CheckpointExistsError(f"{storage.url(path)}: another save committed here at the same time")
         step("published")
         return record
     storage.sync_dir(storage.join(staging, DATA_DIR))

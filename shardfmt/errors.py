@@ -65,3 +65,15 @@ class PlanError(ShardfmtError):
 
 class StorageError(ShardfmtError):
     """The storage backend failed (missing path, permission, network, full disk)."""
+
+
+class AccessDeniedError(StorageError):
+    """The storage refused the credentials or the permission (wrong key, read-only bucket)."""
+
+
+class DcpImportError(ShardfmtError):
+    """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
+
+
+class UnsafePickleError(DcpImportError):
+    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""

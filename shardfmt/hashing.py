@@ -87,6 +87,11 @@ class ChunkHasher:
                 self._h.reset()
                 self._filled = 0
 
+    @property
+    def completed(self) -> list[str]:
+        """Digests of the whole chunks fed so far (read-only use)."""
+        return self._digests
+
     def finish(self) -> list[str]:
         if self._filled:
             self._digests.append(format_digest(self._h.digest()))

@@ -24,6 +24,7 @@ FORMAT_NAME = "shardfmt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
+LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec 2.1)
 DATA_DIR = "data"
 
 MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller

@@ -39,6 +39,8 @@ class Checkpoint:
 
 def resolve_path(storage: Storage, path: str) -> str:
     """Return ``path``, or the committed ``<path>.old-*`` an interrupted overwrite left."""
+    if not storage.atomic_rename:
+        return path  # no renames, so no aside copies; a missing marker says "no checkpoint"
     if storage.exists(path):
         return path
     aside = committed_aside(storage, path)
@@ -49,17 +51,21 @@ def resolve_path(storage: Storage, path: str) -> str:
 
 def read_commit(storage: Storage, path: str) -> CommitRecord:
     marker = storage.join(path, COMMITTED_NAME)
-    if not storage.exists(marker):
-        raise CommitError(f"{path}: not committed (no {COMMITTED_NAME} marker: an interrupted or "
-                          "in-progress save)")
-    return parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES), source=marker)
+    try:
+        raw = storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES)
+    except CheckpointNotFoundError:
+        if not storage.atomic_rename and not storage.exists(path):
+            raise CheckpointNotFoundError(f"{storage.url(path)}: no checkpoint there") from None
+        raise CommitError(f"{storage.url(path)}: not committed (no {COMMITTED_NAME} marker: an interrupted "
+                          "or in-progress save)") from None
+    return parse_commit(raw, source=storage.url(marker))
 
 
 def read_manifest_bytes(storage: Storage, path: str) -> bytes:
-    where = storage.join(path, MANIFEST_NAME)
-    if not storage.exists(where):
-        raise CommitError(f"{path}: {MANIFEST_NAME} is missing")
-    return storage.read_bytes(where, limit=MAX_MANIFEST_BYTES)
+    try:
+        return storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
+    except CheckpointNotFoundError:
+        raise CommitError(f"{storage.url(path)}: {MANIFEST_NAME} is missing") from None
 
 
 def open_checkpoint(path: str, *, storage_options: dict | None = None,
@@ -102,35 +108,48 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
     by_file: dict[str, list[tuple[str, ShardRecord]]] = {}
     for fqn, shard in shards:
         by_file.setdefault(shard.file, []).append((fqn, shard))
-    for name in sorted(by_file):
-        frec = manifest.files[name]
-        reader = storage.open_reader(storage.join(path, name))
-        try:
-            if reader.size != frec.size:
-                raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")
-            buf = bytearray(frec.header_size)
-            reader.readinto(0, [memoryview(buf)])
-        finally:
-            reader.close()
-        got = hashing.digest_bytes(buf)
-        if got != frec.header_digest:
-            raise IntegrityError(f"{name}: header (bytes [0, {frec.header_size})) hashes to {got}, "
-                                 f"manifest says {frec.header_digest}")
-        if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != frec.header_size:
-            raise HeaderError(f"{name}: header length disagrees with the manifest's header_size")
-        header = decode_header(bytes(buf), source=name, file_size=frec.size)
-        origins = decode_origins(header.metadata, source=name)
-        for fqn, shard in by_file[name]:
-            e = header.entries.get(shard.key)
-            rec = manifest.tensor(fqn)
-            if not shard_key_ok(fqn, shard) or e is None:
-                raise HeaderError(f"{name}: tensor {fqn!r}: key {shard.key!r} is not this tensor's entry")
-            o = origins.get(shard.key)
-            if o is None or (o.fqn, o.offsets, o.global_shape) != (fqn, tuple(shard.offsets), tuple(rec.shape)):
-                raise HeaderError(f"{name}: tensor {fqn!r}: the file places key {shard.key!r} at "
-                                  f"{None if o is None else (o.fqn, list(o.offsets), list(o.global_shape))}, "
-                                  f"the manifest at offsets {list(shard.offsets)} of shape {list(rec.shape)}")
-            if (e.dtype, e.shape, (e.start, e.end)) != (rec.dtype, tuple(shard.lengths), tuple(shard.byte_range)):
-                raise HeaderError(f"{name}: tensor {fqn!r}: header says {e.dtype} {list(e.shape)} at "
-                                  f"[{e.start}, {e.end}), manifest says {rec.dtype} {list(shard.lengths)} at "
-                                  f"{list(shard.byte_range)}")
+    names = sorted(by_file)
+    if storage.object_store and len(names) > 1:  # a round trip each: issue them together
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(names), storage.read_concurrency)) as ex:
+            for f in [ex.submit(_check_file_header, storage, path, manifest, n, by_file[n]) for n in names]:
+                f.result()
+        return
+    for name in names:
+        _check_file_header(storage, path, manifest, name, by_file[name])
+
+
+def _check_file_header(storage: Storage, path: str, manifest: Manifest, name: str,
+                       shards: list[tuple[str, ShardRecord]]) -> None:
+    frec = manifest.files[name]
+    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.object_store else None)
+    try:
+        if reader.size != frec.size:
+            raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")
+        buf = bytearray(frec.header_size)
+        reader.readinto(0, [memoryview(buf)])
+    finally:
+        reader.close()
+    got = hashing.digest_bytes(buf)
+    if got != frec.header_digest:
+        raise IntegrityError(f"{name}: header (bytes [0, {frec.header_size})) hashes to {got}, "
+                             f"manifest says {frec.header_digest}")
+    if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != frec.header_size:
+        raise HeaderError(f"{name}: header length disagrees with the manifest's header_size")
+    header = decode_header(bytes(buf), source=name, file_size=frec.size)
+    origins = decode_origins(header.metadata, source=name)
+    for fqn, shard in shards:
+        e = header.entries.get(shard.key)
+        rec = manifest.tensor(fqn)
+        if not shard_key_ok(fqn, shard) or e is None:
+            raise HeaderError(f"{name}: tensor {fqn!r}: key {shard.key!r} is not this tensor's entry")
+        o = origins.get(shard.key)
+        if o is None or (o.fqn, o.offsets, o.global_shape) != (fqn, tuple(shard.offsets), tuple(rec.shape)):
+            raise HeaderError(f"{name}: tensor {fqn!r}: the file places key {shard.key!r} at "
+                              f"{None if o is None else (o.fqn, list(o.offsets), list(o.global_shape))}, "
+                              f"the manifest at offsets {list(shard.offsets)} of shape {list(rec.shape)}")
+        if (e.dtype, e.shape, (e.start, e.end)) != (rec.dtype, tuple(shard.lengths), tuple(shard.byte_range)):
+            raise HeaderError(f"{name}: tensor {fqn!r}: header says {e.dtype} {list(e.shape)} at "
+                              f"[{e.start}, {e.end}), manifest says {rec.dtype} {list(shard.lengths)} at "
+                              f"{list(shard.byte_range)}")

@@ -3,8 +3,9 @@
 Everything the format does to bytes at rest goes through ``Storage``: whole small files
 (manifest, COMMITTED), streamed data files, ranged scatter reads, listing and removal.
 ``LocalStorage`` talks to the OS directly (``os.preadv``, ``fsync``, atomic rename and
-``renameat2(RENAME_EXCHANGE)``); ``FsspecStorage`` serves any other fsspec URL and has no
-atomic rename, so commits there rely on the ``COMMITTED`` object written last.
+``renameat2(RENAME_EXCHANGE)``); ``objstore.FsspecStorage`` serves any other fsspec URL
+(S3 through s3fs) and has no atomic rename, so commits there rely on the ``COMMITTED``
+object written last.
 
 Every call counts its requests and bytes in ``storage.stats`` so tests and benchmarks can
 assert how much was read, at the storage layer.
@@ -15,23 +16,27 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import posixpath
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import CheckpointNotFoundError, StorageError
 
 
 @dataclass
 class IOStats:
-    """Counters of storage traffic (requests and bytes), safe to update from threads."""
+    """Counters of storage traffic (requests and bytes), safe to update from threads.
+
+    Every storage's counters also feed ``PROCESS_IO``, the process's totals
+    (``shardfmt.io_stats()``): snapshot it before and after a save or load to see its traffic.
+    """
 
     read_requests: int = 0
     bytes_read: int = 0
     write_requests: int = 0
     bytes_written: int = 0
+    parent: IOStats | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -40,11 +45,15 @@ class IOStats:
         with self._lock:
             self.read_requests += requests
             self.bytes_read += nbytes
+        if self.parent is not None:
+            self.parent.add_read(nbytes, requests)
 
     def add_write(self, nbytes: int, requests: int = 1) -> None:
         with self._lock:
             self.write_requests += requests
             self.bytes_written += nbytes
+        if self.parent is not None:
+            self.parent.add_write(nbytes, requests)
 
     def reset(self) -> None:
         with self._lock:
@@ -54,6 +63,14 @@ class IOStats:
         with self._lock:
             return {"read_requests": self.read_requests, "bytes_read": self.bytes_read,
                     "write_requests": self.write_requests, "bytes_written": self.bytes_written}
+
+
+PROCESS_IO = IOStats()
+
+
+def io_stats() -> dict[str, int]:
+    """This process's storage traffic so far: requests and bytes read and written, every backend."""
+    return PROCESS_IO.snapshot()
 
 
 class FileWriter(Protocol):
@@ -73,15 +90,21 @@ class Storage(Protocol):
 
     stats: IOStats
     atomic_rename: bool
+    object_store: bool      # requests cost round trips; no directories, no rename
+    max_gap: int            # reads coalesce across gaps up to this many bytes (a request's worth)
+    read_concurrency: int   # ranged reads in flight at once
+    lease_seconds: float    # default lease of a save in progress (section 2.1 of the spec)
+
+    def url(self, path: str) -> str: ...
 
     def join(self, base: str, *parts: str) -> str: ...
     def exists(self, path: str) -> bool: ...
     def isdir(self, path: str) -> bool: ...
     def size(self, path: str) -> int: ...
     def read_bytes(self, path: str, *, limit: int) -> bytes: ...
-    def write_bytes(self, path: str, data: bytes, *, sync: bool = True) -> None: ...
+    def write_bytes(self, path: str, data: bytes, *, sync: bool = True, exclusive: bool = False) -> None: ...
     def open_writer(self, path: str) -> FileWriter: ...
-    def open_reader(self, path: str) -> FileReader: ...
+    def open_reader(self, path: str, size: int | None = None) -> FileReader: ...
     def makedirs(self, path: str) -> None: ...
     def listdir(self, path: str) -> list[str]: ...
     def remove_tree(self, path: str) -> None: ...
@@ -90,6 +113,7 @@ class Storage(Protocol):
     def sync_dir(self, path: str) -> None: ...
     def touch(self, path: str) -> None: ...
     def mtime(self, path: str) -> float: ...
+    def drop_lease(self, path: str) -> None: ...
 
 
 def _storage_error(path: str, e: OSError, what: str) -> StorageError:
@@ -230,9 +254,16 @@ class LocalStorage:
     """Local disk through the OS: durable writes, atomic renames, scatter reads."""
 
     atomic_rename = True
+    object_store = False
+    max_gap = 1 << 20  # reading 1 MiB of gap costs less than a second request
+    read_concurrency = os.cpu_count() or 1
+    lease_seconds = 600.0
 
     def __init__(self) -> None:
-        self.stats = IOStats()
+        self.stats = IOStats(parent=PROCESS_IO)
+
+    def url(self, path: str) -> str:
+        return path
 
     def join(self, base: str, *parts: str) -> str:
         return os.path.join(base, *parts)
@@ -260,8 +291,8 @@ class LocalStorage:
             raise StorageError(f"{path}: larger than the {limit}-byte limit")
         return data
 
-    def write_bytes(self, path: str, data: bytes, *, sync: bool = True) -> None:
-        w = _LocalWriter(path, self.stats)
+    def write_bytes(self, path: str, data: bytes, *, sync: bool = True, exclusive: bool = False) -> None:
+        w = _LocalWriter(path, self.stats)  # O_EXCL: always exclusive
         try:
             w.write(data)
         except BaseException:
@@ -272,7 +303,7 @@ class LocalStorage:
     def open_writer(self, path: str) -> _LocalWriter:
         return _LocalWriter(path, self.stats)
 
-    def open_reader(self, path: str) -> _LocalReader:
+    def open_reader(self, path: str, size: int | None = None) -> _LocalReader:
         return _LocalReader(path, self.stats)
 
     def makedirs(self, path: str) -> None:
@@ -320,6 +351,9 @@ class LocalStorage:
         except OSError as e:
             raise _storage_error(path, e, "stat") from None
 
+    def drop_lease(self, path: str) -> None:
+        pass  # the lease is the directory's mtime
+
     def sync_dir(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -333,167 +367,12 @@ class LocalStorage:
             os.close(fd)
 
 
-# ----------------------------------------------------------------------------- fsspec
-
-class _FsspecWriter:
-    __slots__ = ("_f", "_path", "_stats")
-
-    def __init__(self, fs: Any, path: str, stats: IOStats) -> None:
-        self._path = path
-        self._stats = stats
-        try:
-            self._f = fs.open(path, "wb")
-        except OSError as e:
-            raise _storage_error(path, e, "create") from None
-
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        try:
-            self._f.write(mv)
-        except OSError as e:
-            raise _storage_error(self._path, e, "write") from None
-        self._stats.add_write(len(mv))
-
-    def close(self, *, sync: bool = True) -> None:
-        try:
-            self._f.close()
-        except OSError as e:
-            raise _storage_error(self._path, e, "close") from None
-
-    def abort(self) -> None:
-        discard = getattr(self._f, "discard", None)
-        try:
-            if discard is not None:
-                discard()
-            else:
-                self._f.close()
-        except Exception:  # noqa: BLE001 - best effort on an already failing path
-            pass
-
-
-class _FsspecReader:
-    __slots__ = ("_fs", "_path", "_stats", "size")
-
-    def __init__(self, fs: Any, path: str, stats: IOStats) -> None:
-        self._fs = fs
-        self._path = path
-        self._stats = stats
-        try:
-            self.size = int(fs.size(path))
-        except (OSError, KeyError) as e:
-            raise CheckpointNotFoundError(f"{path}: cannot open ({e})") from None
-
-    def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        want = sum(len(b) for b in buffers)
-        try:
-            data = self._fs.cat_file(self._path, start=offset, end=offset + want)
-        except OSError as e:
-            raise _storage_error(self._path, e, "read") from None
-        if len(data) != want:
-            raise StorageError(f"{self._path}: short read at byte {offset} ({len(data)} of {want})")
-        pos = 0
-        for b in buffers:
-            b[:] = data[pos : pos + len(b)]
-            pos += len(b)
-        self._stats.add_read(want)
-
-    def close(self) -> None:
-        pass
-
-
-class FsspecStorage:
-    """Any fsspec filesystem. No atomic rename: commit is the COMMITTED object, written last."""
-
-    atomic_rename = False
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-        self.stats = IOStats()
-
-    def join(self, base: str, *parts: str) -> str:
-        return posixpath.join(base, *parts)
-
-    def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
-
-    def isdir(self, path: str) -> bool:
-        return bool(self.fs.isdir(path))
-
-    def size(self, path: str) -> int:
-        try:
-            return int(self.fs.size(path))
-        except (OSError, KeyError) as e:
-            raise CheckpointNotFoundError(f"{path}: does not exist ({e})") from None
-
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
-        try:
-            data = self.fs.cat_file(path, start=0, end=limit + 1)
-        except (OSError, KeyError) as e:
-            if isinstance(e, FileNotFoundError) or isinstance(e, KeyError):
-                raise CheckpointNotFoundError(f"{path}: does not exist") from None
-            raise _storage_error(path, e, "read") from None
-        self.stats.add_read(len(data))
-        if len(data) > limit:
-            raise StorageError(f"{path}: larger than the {limit}-byte limit")
-        return data
-
-    def write_bytes(self, path: str, data: bytes, *, sync: bool = True) -> None:
-        try:
-            self.fs.pipe_file(path, bytes(data))
-        except OSError as e:
-            raise _storage_error(path, e, "write") from None
-        self.stats.add_write(len(data))
-
-    def open_writer(self, path: str) -> _FsspecWriter:
-        return _FsspecWriter(self.fs, path, self.stats)
-
-    def open_reader(self, path: str) -> _FsspecReader:
-        return _FsspecReader(self.fs, path, self.stats)
-
-    def makedirs(self, path: str) -> None:
-        try:
-            self.fs.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise _storage_error(path, e, "mkdir") from None
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{path}: does not exist") from None
-        except OSError as e:
-            raise _storage_error(path, e, "list") from None
-        return sorted(posixpath.basename(str(p).rstrip("/")) for p in entries)
-
-    def remove_tree(self, path: str) -> None:
-        try:
-            if self.fs.exists(path):
-                self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-
-    def rename(self, src: str, dst: str) -> None:
-        raise StorageError(f"{src}: this storage has no atomic rename")
-
-    def exchange(self, a: str, b: str) -> None:
-        raise StorageError(f"{a}: this storage has no atomic exchange")
-
-    def touch(self, path: str) -> None:
-        pass  # object stores: the lease lives with issue 5's orphan collection
-
-    def mtime(self, path: str) -> float:
-        info = self.fs.info(path)
-        t = info.get("mtime") or info.get("LastModified") or info.get("created")
-        return t.timestamp() if hasattr(t, "timestamp") else float(t or 0.0)
-
-    def sync_dir(self, path: str) -> None:
-        pass
-
-
 def get_storage(url: str, storage_options: dict | None = None) -> tuple[Storage, str]:
     """Return the storage for ``url`` and the path to use with it.
 
-    Plain paths and ``file://`` URLs get ``LocalStorage``; anything else goes to fsspec.
+    Plain paths and ``file://`` URLs get ``LocalStorage``; any other URL goes to fsspec
+    (``s3://`` through s3fs, configured from the standard AWS environment and
+    ``storage_options``).
     """
     if not isinstance(url, (str, os.PathLike)):
         raise StorageError(f"checkpoint path must be a string or path, got {type(url).__name__}")
@@ -502,13 +381,6 @@ def get_storage(url: str, storage_options: dict | None = None) -> tuple[Storage,
         return LocalStorage(), os.path.abspath(url)
     if url.startswith("file://"):
         return LocalStorage(), os.path.abspath(url[len("file://"):])
-    import fsspec
+    from .objstore import fsspec_storage
 
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    except (ImportError, ValueError) as e:
-        raise StorageError(f"{url}: no storage backend ({e})") from None
-    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    if protocol == "memory" and not path.startswith("/"):
-        path = "/" + path
-    return FsspecStorage(fs), path.rstrip("/")
+    return fsspec_storage(url, storage_options)

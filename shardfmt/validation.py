@@ -21,7 +21,7 @@ import orjson
 from reshard.geometry import Box, tiling_problems
 
 from . import hashing
-from .errors import ShardfmtError
+from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
@@ -110,11 +110,15 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
 
     try:
         commit = read_commit(storage, path)
+    except (StorageError, CheckpointNotFoundError):
+        raise  # the path cannot be reached at all
     except ShardfmtError as e:
         problems.append(Problem(code="not_committed", message=str(e), file=COMMITTED_NAME))
         commit = None
     try:
         raw = read_manifest_bytes(storage, path)
+    except StorageError:
+        raise
     except ShardfmtError as e:
         problems.append(Problem(code="manifest_missing", message=str(e), file=MANIFEST_NAME))
         return done()
@@ -177,6 +181,14 @@ def _check_tensors(m: Manifest, problems: list[Problem]) -> None:
                 if span.stop > len(chunks) or hashing.combine(chunks[span.start:span.stop]) != s.digest:
                     problems.append(Problem(code="shard_digest", tensor=fqn, file=s.file, byte_range=s.byte_range,
                                             message="shard digest does not derive from the file's chunk digests"))
+
+
+def check_files(storage: Storage, path: str, m: Manifest, *, deep: bool) -> list[Problem]:
+    """Check the data files under ``path`` against ``m`` (sizes, headers; with ``deep``, every
+    chunk's hash) without requiring a commit marker: how a copy is verified before its commit."""
+    problems: list[Problem] = []
+    _check_files(storage, path, m, problems, deep=deep)
+    return problems
 
 
 def _check_files(storage: Storage, path: str, m: Manifest, problems: list[Problem], *, deep: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import datetime as _dt
+import math
 import os
 import platform
 import threading
@@ -37,10 +38,9 @@ from .manifest import (
     ViewRecord,
     rank_file_name,
 )
-from .retention import DEFAULT_LEASE_SECONDS
-from .safetensors_io import ShardOrigin, encode_header, encode_origins
+from .safetensors_io import EncodedHeader, ShardOrigin, encode_header, encode_origins
 from .storage import Storage, get_storage
-from .tensor_bytes import byte_pieces, byte_view, is_direct
+from .tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
 
 Clock = Callable[[], _dt.datetime]
 _OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
@@ -64,6 +64,35 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def _check_slice(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: tuple[int, ...]) -> None:
+    if len(shape) != len(global_shape) or len(offsets) != len(shape):
+        raise ShapeError(f"{fqn}: local shape {list(shape)}, offsets {list(offsets)} and "
+                         f"global shape {list(global_shape)} differ in rank")
+    for d, (o, n, g) in enumerate(zip(offsets, shape, global_shape)):
+        if o < 0 or o + n > g:
+            raise ShapeError(f"{fqn}: dim {d}: slice [{o}, {o + n}) is outside the global size {g}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSpec:
+    """One slice a data file will hold, without its data: what a streaming writer lays out
+    up front (``shape`` is the slice's local shape, ``dtype`` the dtype it is written in)."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        _check_slice(self.fqn, tuple(self.shape), tuple(self.offsets), tuple(self.global_shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardData:
     """One slice of a global tensor to write: its data and where it sits globally."""
@@ -75,13 +104,23 @@ class ShardData:
     placement: Placement | None = None
 
     def __post_init__(self) -> None:
-        shape = tuple(self.data.shape)
-        if len(shape) != len(self.global_shape) or len(self.offsets) != len(shape):
-            raise ShapeError(f"{self.fqn}: local shape {list(shape)}, offsets {list(self.offsets)} and "
-                             f"global shape {list(self.global_shape)} differ in rank")
-        for d, (o, n, g) in enumerate(zip(self.offsets, shape, self.global_shape)):
-            if o < 0 or o + n > g:
-                raise ShapeError(f"{self.fqn}: dim {d}: slice [{o}, {o + n}) is outside the global size {g}")
+        _check_slice(self.fqn, tuple(self.data.shape), tuple(self.offsets), tuple(self.global_shape))
+
+    def spec(self) -> ShardSpec:
+        return ShardSpec(fqn=self.fqn, dtype=self.data.dtype, shape=tuple(self.data.shape),
+                         global_shape=tuple(self.global_shape), offsets=tuple(self.offsets),
+                         placement=self.placement)
+
+
+def file_order(shards: Sequence) -> list:
+    """Return ``shards`` (ShardData or ShardSpec) in data-file order: element size descending,
+    then record name, then offsets (spec section 3), so every tensor starts aligned."""
+
+    def key(s):
+        isz = s.data.element_size() if isinstance(s, ShardData) else s.dtype.itemsize
+        return (-isz, s.fqn, tuple(s.offsets))
+
+    return sorted(shards, key=key)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,18 +160,7 @@ def write_shard_file(
     """
     if part_size % chunk_size or part_size <= 0:
         raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
-    keys = _file_keys(shards)
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise StateDictError(f"{name}: safetensors key(s) {dup[:3]} would name two entries (two shards of one "
-                             "tensor at the same offsets, or a tensor whose name looks like 'fqn@offsets')")
-    header = encode_header(
-        [(k, dtype_code(s.data.dtype, what=s.fqn), tuple(s.data.shape)) for k, s in zip(keys, shards)],
-        metadata={"format": "shardfmt", "rank": str(rank),
-                  "shards": encode_origins({k: ShardOrigin(fqn=s.fqn, offsets=tuple(s.offsets),
-                                                           global_shape=tuple(s.global_shape))
-                                            for k, s in zip(keys, shards)})},
-    )
+    header = _shard_header(name, rank, [s.spec() for s in shards])
     path = storage.join(directory, name)
     w = storage.open_writer(path)
     try:
@@ -146,52 +174,187 @@ def write_shard_file(
         w.abort()
         raise
     w.close(sync=sync)
-    chunks = tuple(chunks)
     if total != header.file_size:
         raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
-    record = FileRecord(rank=rank, size=total, header_size=len(header.data),
+    return _written_file(name, rank, header, shards, chunks, chunk_size)
+
+
+def _shard_header(name: str, rank: int, specs: Sequence[ShardSpec]) -> EncodedHeader:
+    """Lay out a shardfmt data file holding ``specs`` in the given order (keys, header, origins)."""
+    keys = _file_keys(specs)
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise StateDictError(f"{name}: safetensors key(s) {dup[:3]} would name two entries (two shards of one "
+                             "tensor at the same offsets, or a tensor whose name looks like 'fqn@offsets')")
+    return encode_header(
+        [(k, dtype_code(s.dtype, what=s.fqn), tuple(s.shape)) for k, s in zip(keys, specs)],
+        metadata={"format": "shardfmt", "rank": str(rank),
+                  "shards": encode_origins({k: ShardOrigin(fqn=s.fqn, offsets=tuple(s.offsets),
+                                                           global_shape=tuple(s.global_shape))
+                                            for k, s in zip(keys, specs)})},
+    )
+
+
+def _written_file(name: str, rank: int, header: EncodedHeader, shards: Sequence, chunks: Sequence[str],
+                  chunk_size: int) -> WrittenFile:
+    """The file record and shard records of a data file written from ``header``."""
+    chunks = tuple(chunks)
+    record = FileRecord(rank=rank, size=header.file_size, header_size=len(header.data),
                         header_digest=hashing.digest_bytes(header.data), chunks=chunks,
                         digest=hashing.combine(chunks))
     shard_records = []
     for entry, s in zip(header.entries, shards):
         span = hashing.chunk_span(entry.start, entry.end, chunk_size)
         shard_records.append((s.fqn, ShardRecord(
-            offsets=tuple(s.offsets), lengths=tuple(s.data.shape), file=name, key=entry.key,
+            offsets=tuple(s.offsets), lengths=tuple(entry.shape), file=name, key=entry.key,
             byte_range=(entry.start, entry.end), digest=hashing.combine(chunks[span.start:span.stop]),
         )))
     return WrittenFile(name=name, record=record, shards=tuple(shard_records))
 
 
+class _OrderedHasher:
+    """Write a file's bytes in order, hashing chunks in the same pass: a helper thread hashes
+    each large piece while the OS writes it (both drop the GIL: ~max(write, hash), not the sum).
+    ``write`` returns only when its bytes are written and hashed, so the caller may reuse them."""
+
+    def __init__(self, w, chunk_size: int, *, hash_pool: ThreadPoolExecutor | None = None) -> None:
+        self._w = w
+        self.hasher = hashing.ChunkHasher(chunk_size)
+        self._pool = hash_pool
+        self._own_pool = hash_pool is None
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        for pos in range(0, len(mv), DEFAULT_PIECE_BYTES):
+            piece = mv[pos : pos + DEFAULT_PIECE_BYTES]
+            if len(piece) < _OVERLAP_MIN:
+                self.hasher.update(piece)
+                self._w.write(piece)
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
+            pending = self._pool.submit(self.hasher.update, piece)
+            try:
+                self._w.write(piece)
+            finally:
+                pending.result()
+
+    def finish(self) -> tuple[list[str], int]:
+        self.shutdown()
+        return self.hasher.finish(), self.hasher.total
+
+    def shutdown(self) -> None:
+        if self._own_pool and self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_size: int) -> tuple[list[str], int]:
-    """Write the file in order; hash each large piece on a helper thread while the OS writes it."""
-    hasher = hashing.ChunkHasher(chunk_size)
-    pool = None
-    pending = None
+    """Write the file in order, hashing as it goes."""
+    out = _OrderedHasher(w, chunk_size)
     try:
-        hasher.update(header_bytes)
-        w.write(header_bytes)
+        out.write(header_bytes)
         for s in shards:
             for piece in byte_pieces(s.data):
-                if len(piece) < _OVERLAP_MIN:
-                    if pending is not None:
-                        pending.result()
-                        pending = None
-                    hasher.update(piece)
-                    w.write(piece)
-                    continue
-                # Both drop the GIL: the save then costs ~max(write, hash) instead of their sum.
-                if pool is None:
-                    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(hasher.update, piece)
-                w.write(piece)
-        if pending is not None:
-            pending.result()
+                out.write(piece)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
-    return hasher.finish(), hasher.total
+        out.shutdown()
+    return out.finish()
+
+
+class FileStream:
+    """Write one safetensors file whose bytes arrive in order, in pieces of any size.
+
+    Protocol::
+
+        1) f = FileStream(storage, path, header)   opens the file, writes + hashes the header
+        2) f.write(bytes) ...                     exactly the data section, in header order
+        3) chunks, size = f.close()               checks every promised byte arrived, syncs
+        (on any failure: f.abort())
+
+    Chunk digests are computed while writing (no second pass); ``write`` returns once its
+    bytes are written and hashed, so a caller can refill the same buffer at once.
+    """
+
+    def __init__(self, storage: Storage, path: str, header: EncodedHeader, *,
+                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
+                 hash_pool: ThreadPoolExecutor | None = None) -> None:
+        self.path = path
+        self.header = header
+        self._sync = sync
+        self._w = storage.open_writer(path)
+        self._out = _OrderedHasher(self._w, chunk_size, hash_pool=hash_pool)
+        self._done = False
+        try:
+            self._out.write(header.data)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def written(self) -> int:
+        return self._out.hasher.total
+
+    def write(self, data) -> None:
+        n = memoryview(data).nbytes
+        if self.written + n > self.header.file_size:
+            self.abort()
+            raise CommitError(f"{self.path}: {self.written + n} bytes written, the header promised "
+                              f"{self.header.file_size}")
+        try:
+            self._out.write(data)
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> tuple[tuple[str, ...], int]:
+        if self.written != self.header.file_size:
+            self.abort()
+            raise CommitError(f"{self.path}: closed after {self.written} bytes, the header promised "
+                              f"{self.header.file_size}")
+        chunks, total = self._out.finish()
+        self._done = True
+        self._w.close(sync=self._sync)
+        return tuple(chunks), total
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._out.shutdown()
+        self._w.abort()
+
+
+class ShardStream:
+    """Stream one shardfmt data file holding ``specs`` (in file order): the header (with the
+    ``shards`` origins of spec section 3) is written up front, the slices' bytes arrive through
+    ``write`` in that order, and ``close`` returns the file's records (calling ``on_close``)."""
+
+    def __init__(self, storage: Storage, directory: str, name: str, rank: int, specs: Sequence[ShardSpec], *,
+                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
+                 hash_pool: ThreadPoolExecutor | None = None,
+                 on_close: Callable[[WrittenFile], None] | None = None) -> None:
+        self.name = name
+        self.rank = rank
+        self.specs = tuple(specs)
+        self._chunk_size = chunk_size
+        self._on_close = on_close
+        header = _shard_header(name, rank, self.specs)
+        self._file = FileStream(storage, storage.join(directory, name), header, chunk_size=chunk_size,
+                                sync=sync, hash_pool=hash_pool)
+
+    def write(self, data) -> None:
+        self._file.write(data)
+
+    def close(self) -> WrittenFile:
+        chunks, _ = self._file.close()
+        written = _written_file(self.name, self.rank, self._file.header, self.specs, chunks, self._chunk_size)
+        if self._on_close is not None:
+            self._on_close(written)
+        return written
+
+    def abort(self) -> None:
+        self._file.abort()
 
 
 def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview]] | None:
@@ -249,13 +412,16 @@ class _TensorMeta:
 
 
 class _Lease:
-    """Keep a staging dir's mtime fresh while the save runs, so collectors leave it alone."""
+    """Keep a save's lease fresh while it runs, so collectors leave it alone.
+
+    Local disk: the staging dir's mtime. Object stores: the ``LEASE`` object under the
+    checkpoint's prefix (``storage.touch``); ``stop`` joins the heartbeat and removes it.
+    """
 
     def __init__(self, storage: Storage, path: str, lease_seconds: float) -> None:
+        self._storage = storage
+        self._path = path
         self._stop = threading.Event()
-        self._thread = None
-        if not storage.atomic_rename:
-            return
         interval = max(0.5, lease_seconds / 4)
 
         def beat() -> None:
@@ -265,8 +431,12 @@ class _Lease:
         self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, release: bool = False) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if release:
+            self._storage.drop_lease(self._path)
 
 
 class CheckpointWriter:
@@ -276,9 +446,14 @@ class CheckpointWriter:
 
         1) w = CheckpointWriter(path, ...)        checks the destination, stages a temp dir
         2) w.write_rank(rank, shards) per file    streams + hashes each file
+           (or s = w.stream_rank(rank, specs); s.write(bytes)...; s.close(): data fed in pieces)
         3) w.add_alias / add_view / add_value     non-shard records
-        4) w.commit(step=..., topology=...)       manifest, COMMITTED, atomic publish
+        4) w.commit(step=..., topology=...)       manifest, [check_staged], COMMITTED, atomic publish
         (on any failure: w.abort() removes the staging dir)
+
+    ``check_staged(storage, staging_path)``, when given, runs once the staged files and the
+    manifest are written and before ``COMMITTED`` is: raising from it aborts the commit (offline
+    tools validate what they wrote there).
     """
 
     def __init__(
@@ -294,9 +469,10 @@ class CheckpointWriter:
         chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
         sync: bool = True,
         on_step: _commit.StepHook | None = None,
-        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        lease_seconds: float | None = None,
         write_workers: int | None = None,
         part_size: int = DEFAULT_PART_SIZE,
+        check_staged: Callable[[Storage, str], None] | None = None,
     ) -> None:
         if not 4096 <= chunk_size <= 1 << 30:
             raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
@@ -312,6 +488,7 @@ class CheckpointWriter:
         self.write_workers = write_workers or default_write_workers()
         self.part_size = part_size
         self._on_step = on_step
+        self._check_staged = check_staged
         self._overwrite = overwrite
         self._files: dict[str, FileRecord] = {}
         self._tensors: dict[str, _TensorMeta] = {}
@@ -319,8 +496,11 @@ class CheckpointWriter:
         self._aliases: dict[str, str] = {}
         self._views: dict[str, tuple[str, tuple[int, ...], ViewRecord]] = {}
         self._values: dict[str, ValueRecord] = {}
+        self._streaming: set[str] = set()
         self._done = False
-        self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite)
+        lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
+        self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
+                                       lease_seconds=lease_seconds)
         self._lease = _Lease(storage, self.staging, lease_seconds)
 
     # -- 2) data files
@@ -332,18 +512,9 @@ class CheckpointWriter:
             raise CommitError(f"{name}: written twice in one save")
         # Larger elements first, then by name: every tensor then starts at a multiple of its
         # element size (the header is padded to 8), so readers can view bytes in place.
-        ordered = sorted(list(shards) + list(storages),
-                         key=lambda s: (-s.data.element_size(), s.fqn, s.offsets))
+        ordered = file_order(list(shards) + list(storages))
         storage_names = {s.fqn for s in storages}
-        for s in ordered:
-            table = self._storages if s.fqn in storage_names else self._tensors
-            code = dtype_code(s.data.dtype, what=s.fqn)
-            meta = table.get(s.fqn)
-            if meta is None:
-                table[s.fqn] = _TensorMeta(code, tuple(s.global_shape), s.placement)
-            elif (meta.dtype, meta.shape) != (code, tuple(s.global_shape)):
-                raise ShapeError(f"{s.fqn}: shards disagree on dtype/shape ({meta.dtype} {list(meta.shape)} vs "
-                                 f"{code} {list(s.global_shape)})")
+        self._register([s.spec() for s in ordered], storage_names)
         try:
             written = write_shard_file(self.storage, self.staging, name, rank, ordered,
                                        chunk_size=self.chunk_size, sync=self._sync,
@@ -351,10 +522,45 @@ class CheckpointWriter:
         except BaseException:
             self.abort()
             raise
-        self._files[name] = written.record
+        self._record(written, storage_names)
+        return written
+
+    def stream_rank(self, rank: int, shards: Sequence[ShardSpec], *, part: int | None = None,
+                    storages: Sequence[ShardSpec] = (),
+                    hash_pool: ThreadPoolExecutor | None = None) -> ShardStream:
+        """Open rank ``rank``'s data file for streaming: its slices (``shards`` and storage
+        buffers, described without data) are laid out in file order (``stream.specs``); the
+        caller writes their bytes in that order and closes the stream, which records the file."""
+        name = rank_file_name(rank, part)
+        if name in self._files or name in self._streaming:
+            raise CommitError(f"{name}: written twice in one save")
+        ordered = file_order(list(shards) + list(storages))
+        storage_names = {s.fqn for s in storages}
+        self._register(ordered, storage_names)
+        self._streaming.add(name)
+
+        def on_close(written: WrittenFile) -> None:
+            self._streaming.discard(name)
+            self._record(written, storage_names)
+
+        return ShardStream(self.storage, self.staging, name, rank, ordered, chunk_size=self.chunk_size,
+                           sync=self._sync, hash_pool=hash_pool, on_close=on_close)
+
+    def _register(self, specs: Sequence[ShardSpec], storage_names: set[str]) -> None:
+        for s in specs:
+            table = self._storages if s.fqn in storage_names else self._tensors
+            code = dtype_code(s.dtype, what=s.fqn)
+            meta = table.get(s.fqn)
+            if meta is None:
+                table[s.fqn] = _TensorMeta(code, tuple(s.global_shape), s.placement)
+            elif (meta.dtype, meta.shape) != (code, tuple(s.global_shape)):
+                raise ShapeError(f"{s.fqn}: shards disagree on dtype/shape ({meta.dtype} {list(meta.shape)} vs "
+                                 f"{code} {list(s.global_shape)})")
+
+    def _record(self, written: WrittenFile, storage_names: set[str]) -> None:
+        self._files[written.name] = written.record
         for fqn, shard in written.shards:
             (self._storages if fqn in storage_names else self._tensors)[fqn].shards.append(shard)
-        return written
 
     def add_file(self, written: WrittenFile,
                  tensor_meta: Mapping[str, tuple[str, tuple[int, ...], Placement | None]],
@@ -435,16 +641,27 @@ class CheckpointWriter:
             raise StateDictError(f"step must be an integer in [0, 2^62], got {step!r}")
         if self._done:
             raise CommitError(f"{self.path}: this writer already finished")
+        if self._streaming:
+            self.abort()
+            raise CommitError(f"{self.path}: data file(s) {sorted(self._streaming)[:3]} were opened for "
+                              "streaming and never closed")
         try:
             manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
             _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
-                            on_step=self._on_step)
+                            on_step=self._steps)
         except BaseException:
             self.abort()
             raise
         self._done = True
-        self._lease.stop()
+        self._lease.stop(release=True)
         return manifest
+
+    def _steps(self, name: str) -> None:
+        """The commit protocol's step hook: the staged-result check, then the caller's hook."""
+        if name == "manifest_written" and self._check_staged is not None:
+            self._check_staged(self.storage, self.staging)
+        if self._on_step is not None:
+            self._on_step(name)
 
     def abort(self) -> None:
         """Discard everything staged (never touches a committed checkpoint)."""
@@ -463,4 +680,5 @@ class CheckpointWriter:
             self.abort()
 
 
-__all__ = ["CheckpointWriter", "ShardData", "WrittenFile", "write_shard_file", "ShardfmtError"]
+__all__ = ["CheckpointWriter", "FileStream", "ShardData", "ShardSpec", "ShardStream", "WrittenFile", "file_order",
+           "write_shard_file", "ShardfmtError"]

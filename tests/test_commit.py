@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardfmt
-from shardfmt.cli import list_checkpoints
 from shardfmt.commit import STEPS
+from shardfmt.roots import list_checkpoints
 from shardfmt.storage import LocalStorage
 
 

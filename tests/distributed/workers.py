@@ -393,6 +393,96 @@ def fsdp_restore(rank, world, args):
     return {"step": step, "params": _full_params(model)}
 
 
+DCP_SHARDED = {  # fqn -> (global shape, dtype): DTensors with Shard(0) over the whole world
+    "model.embed.weight": ((10, 6), torch.float32),
+    "model.proj.weight": ((5, 3), torch.bfloat16),  # uneven on 2 ranks: rows 3 + 2
+    "model.proj.bias": ((1, 4), torch.float32),  # rank 1 holds an empty (0, 4) slice
+    "optim.state.model.embed.weight.exp_avg": ((10, 6), torch.float32),
+}
+DCP_PLAIN = {  # plain (replicated) tensors: DCP writes each once
+    "model.norm.weight": ((6,), torch.float32),
+    "model.count": ((), torch.int64),
+}
+DCP_VALUES = {"step": 123, "name": "run-7", "sched": {"lr": 0.001, "betas": (0.9, 0.95)}}
+
+
+def dcp_full_tensors() -> dict[str, torch.Tensor]:
+    """The global tensors of the ``dcp_save`` job, the same on every rank and in the test."""
+    return {fqn: truth(fqn, shape, dtype) for fqn, (shape, dtype) in {**DCP_SHARDED, **DCP_PLAIN}.items()}
+
+
+@job
+def dcp_save(rank, world, args):
+    """torch.distributed.checkpoint.save of DTensor Shard(0) slices, plain tensors and values."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    full = dcp_full_tensors()
+    state = {fqn: distribute_tensor(full[fqn], mesh, [Shard(0)]) for fqn in DCP_SHARDED}
+    state.update({fqn: full[fqn].clone() for fqn in DCP_PLAIN})
+    state.update({k: (dict(v) if isinstance(v, dict) else v) for k, v in DCP_VALUES.items()})
+    dcp.save(state, checkpoint_id=args["path"])
+    return {"local_rows": {fqn: state[fqn].to_local().shape[0] for fqn in DCP_SHARDED}}
+
+
+@job
+def s3_save2(rank, world, args):
+    """A 2-rank save straight to S3 (the endpoint comes from AWS_ENDPOINT_URL): row halves + a replica."""
+    full = torch.arange(4096 * 512, dtype=torch.float32).reshape(4096, 512)
+    rows = 4096 // world
+    state = {"w": shardfmt.ShardedTensor(full[rows * rank: rows * (rank + 1)].clone(), (4096, 512), (rows * rank, 0)),
+             "bias": torch.linspace(0, 1, 512), "step": 5}
+    m = shardfmt.save(state, args["path"], step=5, timeout=dt.timedelta(seconds=120))
+    return {"files": sorted(m.files) if m is not None else None}
+
+
+@job
+def hf_llama_tp_pp(rank, world, args):
+    """A tiny transformers Llama held as a tp=2 x pp=2 job holds it (DTensors on the tp
+    sub-mesh, one pp stage's layers per rank, Megatron column/row splits), saved with Adam-like
+    optimizer state and the HF config in the metadata; rank 0 returns the full model's logits."""
+    import re
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**args["config"])
+    model = LlamaForCausalLM(cfg).eval()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    layers = cfg.num_hidden_layers
+
+    def stage_of(name):
+        m = re.search(r"layers\.(\d+)\.", name)
+        if m:
+            return int(m.group(1)) * 2 // layers
+        return 0 if "embed_tokens" in name else 1
+
+    params, optim = {}, {}
+    for name, t in model.state_dict().items():
+        if stage_of(name) != stage:
+            continue
+        if re.search(r"(q_proj|k_proj|v_proj|gate_proj|up_proj|embed_tokens|lm_head)\.weight$", name):
+            place = [Shard(0)]
+        elif re.search(r"(o_proj|down_proj)\.weight$", name):
+            place = [Shard(1)]
+        else:
+            place = None  # norms: replicated over tp
+        for where, key, x in ((params, name, t.detach().clone()), (optim, f"{name}.exp_avg", t.detach() * 0.5)):
+            where[key] = distribute_tensor(x, mesh["tp"], place) if place else x
+    shardfmt.save({"model": params, "optim": {"state": optim}, "step": 7}, args["path"], step=7,
+                  mesh={"pp": 2, "tp": 2}, metadata={"hf_config": cfg.to_dict()}, timeout=dt.timedelta(seconds=90))
+    out = {}
+    if rank == 0:
+        with torch.no_grad():
+            out["logits"] = model(torch.tensor(args["input"])).logits.flatten().tolist()
+    return out
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)

@@ -1,0 +1,379 @@
+"""Offline conversion: rewrite a checkpoint for a new topology, in one process, in bounded memory.
+
+``convert(src, dst, mesh)`` gives every rank of the new mesh its own data file holding the
+slices it will load, so the new job loads on the fast path (each rank reads its own file);
+a slice several ranks hold (replicated over dp, or a tensor outside every pp stage) is
+written once, by the holder the save-time balancing rule picks
+(``shardfmt.distributed.assign_writers``). Placements come from the source manifest,
+retargeted to the new mesh, or from a rules file (``reshard.rules``).
+
+Protocol::
+
+    1) open the source (COMMITTED, manifest)               plan_layouts: fqn -> Layout on the mesh
+    2) plan_convert (pure): every rank's boxes -> one writer per distinct box -> each file's slices
+    3) plan_windows (pure): the files' slices -> windows of at most half the memory budget
+    4) stage the destination (CheckpointWriter), open the files, stream window by window
+       (reads verified against the source's chunk hashes; writes hashed as they go)
+    5) aliases, views and values are carried over; the staged result is validated (and checked
+       against the source: same names, shapes, dtypes) before COMMITTED is written
+
+Every source byte is read once when each tensor fits in a window; larger tensors are read in
+row-major runs, still once, except the hash chunks that straddle two windows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardfmt import jsonvalue
+from shardfmt.dtypes import dtype_code, torch_dtype
+from shardfmt.errors import CommitError, IntegrityError, ShardfmtError, StateDictError
+from shardfmt.manifest import Manifest, Placement, Topology, ValueRecord
+from shardfmt.reader import open_checkpoint
+from shardfmt.storage import Storage, get_storage
+from shardfmt.writer import CheckpointWriter, ShardSpec, file_order
+
+from .cli import targets_for_rank
+from .geometry import Box
+from .rules import Rules, load_rules, plan_layouts
+from .stream import (
+    DEFAULT_BUDGET,
+    Buffers,
+    Piece,
+    Progress,
+    Source,
+    StreamStats,
+    memory_plan,
+    parse_size,
+    plan_windows,
+    run_windows,
+    verify_headers,
+    window_capacity,
+)
+from .topology import Layout, Mesh, TopologyError
+
+FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what --dtype casts (float8 kinds stay as they are)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16,
+          "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "f32": torch.float32,
+          "float32": torch.float32, "float": torch.float32, "fp64": torch.float64, "f64": torch.float64,
+          "float64": torch.float64, "double": torch.float64}
+DEFAULT_MAX_OPEN_FILES = 256
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` / ``torch.bfloat16`` -> torch.bfloat16; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and dtype_code(dtype) not in FLOATING:
+            raise ValueError(f"--dtype {dtype}: only floating dtypes ({', '.join(sorted(DTYPES))})")
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(sorted(DTYPES))}") from None
+
+
+def out_dtype(code: str, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a record of ``code`` is written in: ``cast`` for floating records, else its own."""
+    return cast if cast is not None and code in FLOATING else torch_dtype(code)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankFile:
+    """What one new rank's data file holds, in file order (``storages``: storage-buffer names)."""
+
+    rank: int
+    shards: tuple[ShardSpec, ...]
+    storages: frozenset[str] = frozenset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConvertReport:
+    """What a conversion did."""
+
+    path: str
+    manifest: Manifest
+    src_world: int
+    world: int
+    files: int
+    source_bytes: int
+    bytes_read: int
+    bytes_written: int
+    windows: int
+    seconds: float
+    memory_budget: int
+    dropped_values: tuple[str, ...] = ()
+    unused_rules: tuple[int, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "src_world": self.src_world, "world": self.world, "files": self.files,
+                "tensors": len(self.manifest.tensors), "values": len(self.manifest.values),
+                "source_bytes": self.source_bytes, "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written, "windows": self.windows, "seconds": round(self.seconds, 3),
+                "memory_budget": self.memory_budget, "dropped_values": list(self.dropped_values),
+                "unused_rules": list(self.unused_rules)}
+
+
+# ----------------------------------------------------------------------------- planning (pure)
+
+
+def placement_record(layout: Layout | None) -> Placement | None:
+    """The manifest's record of a Layout."""
+    from shardfmt.distributed import _layout_record
+
+    return None if layout is None else _layout_record(layout)
+
+
+def stored_records(m: Manifest) -> dict[str, tuple[tuple[int, ...], Placement | None]]:
+    """Every tensor record stored by shards (not an alias or view): name -> (shape, placement)."""
+    return {f: (tuple(r.shape), r.placement) for f, r in m.tensors.items() if r.alias_of is None and r.view is None}
+
+
+def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
+                 dtypes: Mapping[str, torch.dtype], *, record_placements: bool = True) -> list[RankFile]:
+    """Return every new rank's file: the boxes each rank holds on ``mesh``, each distinct box
+    written by one holder (``assign_writers``: largest first, to the least-loaded holder), in
+    file order. ``dtypes`` is the output dtype of every stored record and storage."""
+    from shardfmt.distributed import assign_writers
+
+    descs = []
+    held: dict[int, list[tuple[str, Box]]] = {}
+    for rank in range(mesh.world_size):
+        boxes = [(t.fqn, t.box) for t in targets_for_rank(m, mesh, rank, layouts=layouts)]
+        boxes += [(name, Box.full(rec.shape)) for name, rec in m.storages.items()]  # views load whole
+        held[rank] = boxes
+        by_fqn: dict[str, list] = {}
+        for fqn, box in boxes:
+            by_fqn.setdefault(fqn, []).append([list(box.offsets), list(box.lengths)])
+        descs.append({"rank": rank, "tensors": [
+            {"fqn": f, "dtype": dtype_code(dtypes[f], what=f), "shape": list(m.tensor(f).shape), "boxes": b}
+            for f, b in by_fqn.items()]})
+    writers = assign_writers(descs)
+    mine: dict[int, list[ShardSpec]] = {}
+    for (fqn, offsets, lengths), rank in writers.items():
+        rec = m.tensor(fqn)
+        storage = fqn in m.storages
+        mine.setdefault(rank, []).append(ShardSpec(
+            fqn=fqn, dtype=dtypes[fqn], shape=tuple(lengths), global_shape=tuple(rec.shape), offsets=tuple(offsets),
+            placement=None if storage or not record_placements else placement_record(layouts.get(fqn))))
+    return [RankFile(rank=r, shards=tuple(file_order(mine[r])),
+                     storages=frozenset(s.fqn for s in mine[r] if s.fqn in m.storages))
+            for r in sorted(mine)]
+
+
+def pieces_of(files: Sequence[RankFile]) -> tuple[list[Piece], list[list[int]]]:
+    """The streaming pieces of ``files`` (file index = position) and their units: one per
+    record, in the files' common order (element size descending, then name)."""
+    pieces: list[Piece] = []
+    units: dict[str, list[int]] = {}
+    for f, rf in enumerate(files):
+        for s in rf.shards:
+            units.setdefault(s.fqn, []).append(len(pieces))
+            pieces.append(Piece(file=f, src=s.fqn, box=Box(tuple(s.offsets), tuple(s.shape)), dtype=s.dtype))
+    order = sorted(units, key=lambda n: (-pieces[units[n][0]].dtype.itemsize, n))
+    return pieces, [units[n] for n in order]
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _staged_check(source: Manifest, cast: torch.dtype | None, *, deep: bool, extra_aliases: set[str],
+                  expect_values: set[str]) -> Callable[[Storage, str], None]:
+    """Validate the staged result (everything but the commit marker) and compare it with the
+    source: the same tensors (plus ``extra_aliases``) with the same shapes, kinds and (cast)
+    dtypes, and the values expected."""
+    from shardfmt.validation import validate
+
+    def check(storage: Storage, path: str) -> None:
+        report = validate(path, deep=deep, storage=storage)
+        problems = [p for p in report.problems if p.code != "not_committed"]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise IntegrityError(f"the written checkpoint failed validation before its commit: {problems[0]}{more}")
+        new = report.manifest
+        if set(new.tensors) != set(source.tensors) | extra_aliases:
+            diff = sorted(set(new.tensors) ^ (set(source.tensors) | extra_aliases))
+            raise IntegrityError(f"internal: the written checkpoint's tensors differ from the source's: {diff[:5]}")
+        for name, rec in source.tensors.items():
+            got = new.tensors[name]
+            want_dtype = dtype_code(out_dtype(rec.dtype, cast), what=name)
+            if got.shape != rec.shape or got.dtype != want_dtype or (got.alias_of is None) != (rec.alias_of is None) \
+                    or (got.view is None) != (rec.view is None):
+                raise IntegrityError(f"internal: tensor {name!r} was written as {got.dtype} {list(got.shape)}, "
+                                     f"expected {want_dtype} {list(rec.shape)}")
+        if set(new.values) != expect_values:
+            raise IntegrityError(f"internal: values written {sorted(new.values)[:5]} != expected "
+                                 f"{sorted(expect_values)[:5]}")
+
+    return check
+
+
+def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology, layouts: Mapping[str, Layout],
+                     cast: torch.dtype | None, memory_budget: int, metadata: Any, step: int | None,
+                     values: Mapping[str, ValueRecord], aliases: Mapping[str, str] | None = None,
+                     storage_options: dict | None = None, overwrite: bool = False, progress: bool = False,
+                     deep_validate: bool = False, chunk_size: int | None = None,
+                     max_open_files: int | None = None, record_placements: bool = True,
+                     desc: str = "convert") -> tuple[Manifest, StreamStats, int]:
+    """Write ``source``'s tensors (and ``values``, ``aliases``) as a checkpoint laid out on
+    ``mesh``: the engine behind convert and import-hf. Returns (manifest, stream stats, files)."""
+    t0 = time.perf_counter()
+    before = source.storage.stats.snapshot()
+    m = source.manifest
+    aliases = dict(aliases or {})
+    dtypes = {name: out_dtype(rec.dtype, cast) for name, rec in list(m.tensors.items()) + list(m.storages.items())
+              if rec.alias_of is None and rec.view is None}
+    files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
+    pieces, units = pieces_of(files)
+    mem = memory_plan(memory_budget, chunk_size=m.chunk_size, verify=source.verify,
+                      workers=min(4, getattr(source.storage, "read_concurrency", 4)))
+    dst_storage, dst_path = get_storage(dst, storage_options)
+    if max_open_files is None:
+        max_open_files = 1 if getattr(dst_storage, "object_store", False) else DEFAULT_MAX_OPEN_FILES
+    groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
+    shapes = {name: m.tensor(name).shape for name in dtypes}
+    plans = []
+    for g in groups:
+        keep = set(g)
+        gunits = [[i for i in u if pieces[i].file in keep] for u in units]
+        capacity = window_capacity(mem, sum(pieces[i].buffer_bytes for u in gunits for i in u))
+        plans.append(plan_windows(pieces, [u for u in gunits if u], shapes, capacity=capacity))
+    need = max((w.nbytes for ws in plans for w in ws), default=0)
+    verify_headers(source, pieces)
+
+    check = _staged_check(m, cast, deep=deep_validate, extra_aliases=set(aliases), expect_values=set(values))
+    writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
+                              chunk_size=chunk_size or m.chunk_size, check_staged=check)
+    total = sum(f.nbytes for f in files)
+    bar = Progress(total, desc, progress)
+    streams: dict[int, Any] = {}
+    written = windows = 0
+    try:
+        buffers = Buffers(mem, need=need)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-hash") as hash_pool:
+            for g, ws in zip(groups, plans):
+                for f in g:
+                    rf = files[f]
+                    tensors = [s for s in rf.shards if s.fqn not in rf.storages]
+                    stores = [s for s in rf.shards if s.fqn in rf.storages]
+                    streams[f] = writer.stream_rank(rf.rank, tensors, storages=stores, hash_pool=hash_pool)
+                    if streams[f].specs != rf.shards:
+                        raise CommitError(f"internal: rank {rf.rank}'s file order differs from the plan")
+                stats = run_windows(source, pieces, ws, streams, buffers, progress=bar)
+                for f in g:
+                    streams.pop(f).close()
+                written += stats.bytes_written
+                windows += stats.windows
+        del buffers
+        for name, target in sorted(aliases.items()):
+            writer.add_alias(name, target)
+        for name, rec in sorted(m.tensors.items()):
+            if rec.alias_of is not None:
+                writer.add_alias(name, rec.alias_of)
+            elif rec.view is not None:
+                writer.add_view(name, dtype_code(out_dtype(rec.dtype, cast), what=name), tuple(rec.shape), rec.view)
+        for name, rec in sorted(values.items()):
+            writer.add_encoded_value(name, rec)
+        manifest = writer.commit(step=step, metadata=metadata, topology=topology)
+    except BaseException:
+        for s in streams.values():
+            s.abort()
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    after = source.storage.stats.snapshot()  # header checks included
+    return manifest, StreamStats(windows=windows, bytes_written=written,
+                                 bytes_read=after["bytes_read"] - before["bytes_read"],
+                                 read_requests=after["read_requests"] - before["read_requests"],
+                                 seconds=time.perf_counter() - t0), len(files)
+
+
+def convert(
+    src: str,
+    dst: str,
+    mesh: str | Mapping[str, int] | Mesh,
+    *,
+    rules: str | Rules | None = None,
+    memory_budget: int | str = DEFAULT_BUDGET,
+    dtype: str | torch.dtype | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+    per_rank: str = "drop",
+    deep_validate: bool = False,
+    storage_options: dict | None = None,
+    progress: bool = False,
+    max_open_files: int | None = None,
+) -> ConvertReport:
+    """Rewrite the checkpoint at ``src`` for ``mesh`` (outermost dim first, e.g.
+    ``"pp=1,dp=2,tp=4"``) as a new checkpoint at ``dst``; return what was done.
+
+    Each new rank's slices go into its own file, replicated slices are written once. Tensors
+    keep their recorded placements (retargeted to the new mesh) unless ``rules`` (a rules file
+    path or ``Rules``) says otherwise. At most ``memory_budget`` bytes of tensor data are held
+    at once (plus small fixed read buffers); a slice larger than that is streamed in pieces.
+    ``dtype`` (``"bf16"``...) casts floating tensors. Aliases, views and values are carried
+    over; per-rank values only when the world size is unchanged (``per_rank="drop"`` drops
+    them otherwise and reports them, ``"error"`` refuses). The result is validated (``deep``:
+    every chunk re-hashed) before it is committed; ``verify`` checks every source chunk read.
+    """
+    if per_rank not in ("drop", "error"):
+        raise ValueError(f"per_rank must be 'drop' or 'error', got {per_rank!r}")
+    mesh = _mesh(mesh)
+    budget = parse_size(memory_budget, what="memory budget")
+    cast = parse_dtype(dtype)
+    if isinstance(rules, (str, os.PathLike)):
+        rules = load_rules(os.fspath(rules))
+    ckpt = open_checkpoint(src, storage_options=storage_options)
+    _refuse_same(ckpt.storage, ckpt.path, dst, storage_options)
+    m = ckpt.manifest
+    layouts, unused = plan_layouts(stored_records(m), mesh, rules)
+    values: dict[str, ValueRecord] = {}
+    dropped = []
+    for name, rec in m.values.items():
+        if rec.per_rank is not None and mesh.world_size != m.topology.world_size:
+            if per_rank == "error":
+                raise StateDictError(f"value {name!r} is per rank (saved by {m.topology.world_size} ranks); the new "
+                                     f"mesh has {mesh.world_size} ranks (pass per_rank='drop' to leave it out)")
+            dropped.append(name)
+            continue
+        values[name] = rec
+    source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
+    manifest, stats, nfiles = write_checkpoint(
+        source, dst, mesh=mesh, topology=Topology(world_size=mesh.world_size, mesh=mesh.dims), layouts=layouts,
+        cast=cast, memory_budget=budget, metadata=jsonvalue.decode(m.metadata, where="metadata"), step=m.step,
+        values=values, storage_options=storage_options, overwrite=overwrite, progress=progress,
+        deep_validate=deep_validate, max_open_files=max_open_files, desc="convert")
+    return ConvertReport(path=dst, manifest=manifest, src_world=m.topology.world_size, world=mesh.world_size,
+                         files=nfiles, source_bytes=sum(f.size for f in m.files.values()),
+                         bytes_read=stats.bytes_read, bytes_written=stats.bytes_written, windows=stats.windows,
+                         seconds=stats.seconds, memory_budget=budget, dropped_values=tuple(sorted(dropped)),
+                         unused_rules=unused)
+
+
+def _mesh(mesh) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    try:
+        return Mesh.parse(mesh)
+    except TopologyError as e:
+        raise ValueError(f"mesh: {e}") from None
+
+
+def _refuse_same(storage: Storage, path: str, dst: str, storage_options: dict | None) -> None:
+    dst_storage, dst_path = get_storage(dst, storage_options)
+    if type(dst_storage) is type(storage) and dst_storage.url(dst_path).rstrip("/") == storage.url(path).rstrip("/"):
+        raise ValueError(f"{dst}: the destination is the source checkpoint; write to a new path")
+
+
+__all__ = ["ConvertReport", "RankFile", "ShardfmtError", "convert", "plan_convert", "write_checkpoint"]

@@ -1,0 +1,147 @@
+"""Checkpoint roots: what is under one (status of each checkpoint) and collecting what dead saves left.
+
+A root holds ``step_NNNNNNNNN`` checkpoints (spec section 2.1). Listing opens each one
+quickly (COMMITTED, manifest, file sizes: no data). Garbage collection removes only what a
+dead save left, judged by its lease (spec section 2.1): staging dirs (``.tmp-``), uncommitted
+checkpoint prefixes (object stores write in place), and multipart uploads never completed.
+A live save keeps its lease fresh, so a collector never touches it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .errors import CheckpointNotFoundError, ShardfmtError
+from .manifest import COMMITTED_NAME, MANIFEST_NAME
+from .retention import lease_expired, parse_step_dir
+from .storage import Storage
+
+QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a checkpoint aside; they mark it
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    step: int
+    path: str
+    status: str  # committed | incomplete | corrupt | quarantined
+
+
+def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int | None, str]:
+    """Return (status, step, size, reason) of one checkpoint directory, quickly."""
+    from .reader import open_checkpoint
+
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if ".tmp-" in name:
+        return "incomplete", None, None, "staging dir of an unfinished save"
+    if not storage.exists(storage.join(path, COMMITTED_NAME)):
+        return "incomplete", None, None, f"no {COMMITTED_NAME}"
+    if not storage.atomic_rename and storage.exists(storage.join(path, QUARANTINED_NAME)):
+        return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
+    try:
+        ckpt = open_checkpoint(path, storage=storage)
+    except ShardfmtError as e:
+        return "corrupt", None, None, str(e)
+    m = ckpt.manifest
+    for fname, f in m.files.items():
+        try:
+            size = storage.size(storage.join(path, fname))
+        except ShardfmtError:
+            return "corrupt", m.step, None, f"{fname} is missing"
+        if size != f.size:
+            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
+    return "committed", m.step, sum(f.size for f in m.files.values()), ""
+
+
+def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
+    """Every checkpoint-like directory under ``root`` (a path or fsspec URL) with its status."""
+    from .storage import get_storage
+
+    storage, root = get_storage(root, storage_options)
+    if not storage.isdir(root):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: not a directory")
+    out = []
+    for name in storage.listdir(root):
+        path = storage.join(root, name)
+        if not storage.isdir(path):
+            continue
+        inner = set(storage.listdir(path))
+        if not inner & {COMMITTED_NAME, MANIFEST_NAME, "data"} and ".tmp-" not in name:
+            continue
+        status, step, size, reason = checkpoint_status(storage, path)
+        out.append({"name": name, "path": storage.url(path), "status": status, "step": step, "size": size,
+                    "reason": reason})
+    return out
+
+
+def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
+    """Every ``step_*`` under ``root``, oldest first, with its status."""
+    if not storage.exists(root):
+        return []
+    out = []
+    for name in storage.listdir(root):
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        path = storage.join(root, name)
+        status, _, _, _ = checkpoint_status(storage, path)
+        out.append(CheckpointInfo(step=step, path=path, status=status))
+    return sorted(out, key=lambda i: i.step)
+
+
+def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
+                    now: float | None = None, dry_run: bool = False) -> list[str]:
+    """Remove what dead saves left under ``root``; return the URLs removed (or, dry, to remove)."""
+    lease = storage.lease_seconds if lease_seconds is None else lease_seconds
+    now = time.time() if now is None else now
+    if not storage.exists(root):
+        return []
+    removed: list[str] = []
+    dead: dict[str, bool] = {}
+
+    def is_dead(name: str) -> bool:
+        """Whether what lies under ``root/name`` belongs to no live save."""
+        if name not in dead:
+            path = storage.join(root, name)
+            try:
+                if not storage.atomic_rename and storage.exists(storage.join(path, COMMITTED_NAME)):
+                    dead[name] = False  # committed: retention's business, never gc's
+                else:
+                    dead[name] = lease_expired(storage.mtime(path), now, lease)
+            except ShardfmtError:
+                dead[name] = False
+        return dead[name]
+
+    for name in storage.listdir(root):
+        staging = ".tmp-" in name
+        if not staging and not (parse_step_dir(name) is not None and not storage.atomic_rename):
+            continue
+        if not is_dead(name):
+            continue
+        path = storage.join(root, name)
+        try:
+            if not dry_run:
+                storage.remove_tree(path)
+            removed.append(storage.url(path))
+        except ShardfmtError:
+            continue
+    # Uploads a dead save began and never completed (invisible, but stored and billed): the
+    # checkpoint they belong to is judged by its lease, not by the upload's own start time.
+    list_uploads = getattr(storage, "list_uploads", None)
+    for upload_path, upload_id, _started in (list_uploads(root) if list_uploads else []):
+        rel = upload_path[len(root.rstrip("/")) + 1:]
+        name = rel.split("/", 1)[0]
+        live = not is_dead(name) and not _committed(storage, root, name)  # a committed save is over
+        if live:
+            continue
+        if not dry_run:
+            storage.abort_upload(upload_path, upload_id)
+        removed.append(f"{storage.url(upload_path)} (incomplete multipart upload)")
+    return removed
+
+
+def _committed(storage: Storage, root: str, name: str) -> bool:
+    try:
+        return storage.exists(storage.join(root, name, COMMITTED_NAME))
+    except ShardfmtError:
+        return False

@@ -1,0 +1,478 @@
+"""``reshard import-dcp``: torch.distributed.checkpoint directories become shardfmt checkpoints.
+
+DCP checkpoints are written by torch itself (``dcp.save``: 2 real gloo ranks with DTensor
+``Shard(0)``, and single-process saves); the imported checkpoint must load bit for bit, keep
+DCP's boxes and validate. Hostile or damaged input must be refused without running code and
+without leaving anything at the destination.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import struct
+import warnings
+import zipfile
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+import shardfmt
+from reshard import cli
+from reshard.dcp_import import import_dcp, plan_import, rank_of_files
+from reshard.dcp_metadata import DcpChunk, DcpLocation, DcpMetadata, DcpTensor, parse_metadata
+from shardfmt.errors import DcpImportError, UnsafePickleError
+from tests.distributed.harness import check_all_ok, launch
+from tests.distributed.model import truth
+from tests.distributed.workers import DCP_SHARDED, DCP_VALUES, dcp_full_tensors
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def _dcp_save_local(state: dict, path: str, **writer_kw) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed ... uninitialized, assuming ... single process"
+        dcp.save(state, storage_writer=FileSystemWriter(path, **writer_kw), no_dist=True)
+
+
+LOCAL_TENSORS = {
+    "model.w": truth("model.w", (7, 5)),
+    "model.h": truth("model.h", (4, 3), torch.bfloat16),
+    "model.count": torch.tensor(42, dtype=torch.int64),
+    "model.empty": torch.empty(0, 4),
+}
+LOCAL_VALUES = {"step": 9, "name": "local", "cfg": {"lr": 0.5, "betas": (0.9, 0.99)}}
+
+
+def _local_targets() -> dict:
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in LOCAL_TENSORS.items()}
+    state.update({"step": None, "name": None, "cfg": {"lr": None, "betas": None}})
+    return state
+
+
+@pytest.fixture(scope="module")
+def dcp1(tmp_path_factory) -> str:
+    """A single-process DCP checkpoint (one __0_0.distcp)."""
+    path = str(tmp_path_factory.mktemp("dcp1") / "ck")
+    _dcp_save_local({**{k: v.clone() for k, v in LOCAL_TENSORS.items()}, **LOCAL_VALUES}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dcp2(tmp_path_factory) -> str:
+    """A DCP checkpoint written by dcp.save on 2 gloo ranks (DTensor Shard(0))."""
+    root = tmp_path_factory.mktemp("dcp2")
+    path = str(root / "ck")
+    results = check_all_ok(launch("dcp_save", 2, {"path": path}, out_dir=str(root / "out"), timeout=120))
+    assert results[1]["local_rows"]["model.proj.bias"] == 0  # rank 1 saved an empty slice
+    return path
+
+
+def _copy(src: str, tmp_path, name: str = "src") -> str:
+    dst = str(tmp_path / name)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _nothing_at(dst: str) -> bool:
+    parent, base = os.path.split(dst)
+    return not os.path.exists(dst) and not [n for n in os.listdir(parent) if n.startswith(base + ".")]
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.slow
+def test_two_rank_dtensor_dcp_save_imports_bit_for_bit(dcp2, tmp_path):
+    dst = str(tmp_path / "imported")
+    report = import_dcp(dcp2, dst, trust_pickle=True, step=123)
+    assert report.skipped == ()
+    full = dcp_full_tensors()
+    # what DCP itself loads from its checkpoint (an independent reader of the same bytes)
+    from_dcp = {fqn: torch.empty(t.shape, dtype=t.dtype) for fqn, t in full.items()}
+    from_dcp.update({"step": 0, "name": "", "sched": {"lr": 0.0, "betas": (0.0, 0.0)}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(from_dcp, checkpoint_id=dcp2, no_dist=True)
+    targets = {fqn: torch.full(t.shape, 7).to(t.dtype) for fqn, t in full.items()}
+    targets.update({"step": None, "name": None, "sched": {"lr": None, "betas": None}})
+    shardfmt.load(targets, dst)
+    for fqn, want in full.items():
+        assert _same_bits(targets[fqn], want), fqn
+        assert _same_bits(targets[fqn], from_dcp[fqn]), fqn
+    assert targets["step"] == 123 and targets["name"] == "run-7"
+    assert targets["sched"] == {"lr": 0.001, "betas": (0.9, 0.95)} == DCP_VALUES["sched"]
+    assert shardfmt.read_manifest(dst).step == 123
+
+
+@pytest.mark.slow
+def test_imported_manifest_keeps_dcp_boxes_ranks_and_validates(dcp2, tmp_path):
+    dst = str(tmp_path / "imported")
+    import_dcp(dcp2, dst, trust_pickle=True)
+    saved = FileSystemReader(dcp2).read_metadata()  # torch's own reading (our own test file)
+    m = shardfmt.read_manifest(dst)
+    assert m.topology.world_size == 2
+    assert sorted(m.files) == ["data/rank_00000.safetensors", "data/rank_00001.safetensors"]
+    assert {m.files[f].rank for f in m.files} == {0, 1}
+    for fqn in (*DCP_SHARDED, "model.norm.weight", "model.count"):
+        want = sorted((tuple(c.offsets), tuple(c.sizes)) for c in saved.state_dict_metadata[fqn].chunks)
+        rec = m.tensors[fqn]
+        assert sorted((s.offsets, s.lengths) for s in rec.shards) == want, fqn
+        assert rec.shape == tuple(saved.state_dict_metadata[fqn].size) and rec.placement is None
+        for s in rec.shards:  # the chunk stays in the file of the rank that wrote it
+            index = next(k for k in saved.storage_data if k.fqn == fqn and tuple(k.offset) == s.offsets)
+            dcp_rank = int(saved.storage_data[index].relative_path.split("_")[2])
+            assert m.files[s.file].rank == dcp_rank, (fqn, s.offsets)
+    assert len(m.tensors["model.embed.weight"].shards) == 2
+    assert m.metadata == {"imported_from": {"format": "torch.distributed.checkpoint", "version": saved.version}}
+    report = shardfmt.validate(dst, deep=True)
+    assert report.ok, [str(p) for p in report.problems]
+
+
+def test_single_process_save_round_trips_and_cli_reports(dcp1, tmp_path, capsys):
+    dst = str(tmp_path / "imported")
+    assert cli.main(["import-dcp", dcp1, dst, "--trust-pickle", "--step", "9"]) == 0
+    assert "imported" in capsys.readouterr().out
+    targets = _local_targets()
+    shardfmt.load(targets, dst)
+    for fqn, want in LOCAL_TENSORS.items():
+        assert _same_bits(targets[fqn], want), fqn
+    assert (targets["step"], targets["name"], targets["cfg"]) == (9, "local", {"lr": 0.5, "betas": (0.9, 0.99)})
+    m = shardfmt.read_manifest(dst)
+    assert m.step == 9 and m.topology.world_size == 1 and list(m.files) == ["data/rank_00000.safetensors"]
+    assert m.tensors["model.empty"].shape == (0, 4)
+
+
+def test_memory_budget_splits_a_rank_into_parts(dcp1, tmp_path):
+    dst = str(tmp_path / "parts")
+    budget = LOCAL_TENSORS["model.w"].nbytes  # the largest chunk: every part holds at most this
+    import_dcp(dcp1, dst, trust_pickle=True, memory_budget=budget)
+    m = shardfmt.read_manifest(dst)
+    assert len(m.files) >= 2 and all("_part_" in f and m.files[f].rank == 0 for f in m.files)
+    for f in m.files:
+        held = sum(r.nbytes for r in m.tensors.values() for s in (r.shards or ()) if s.file == f)
+        assert held <= budget, f
+    targets = _local_targets()
+    shardfmt.load(targets, dst)
+    assert all(_same_bits(targets[k], v) for k, v in LOCAL_TENSORS.items())
+    assert shardfmt.validate(dst, deep=True).ok
+
+
+class _Xor(StreamTransformExtension):
+    """A toy stream transform (DCP's extension API, as zstd compression uses it)."""
+
+    _TABLE = bytes(b ^ 0x5A for b in range(256))
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.xor"
+
+    @staticmethod
+    def from_descriptor(version: str) -> _Xor:
+        return _Xor()
+
+    def get_descriptor(self) -> str:
+        return "test.xor/1"
+
+    def transform_to(self, output):
+        table = self._TABLE
+
+        class W(io.RawIOBase):
+            def writable(self):
+                return True
+
+            def write(self, b):
+                data = bytes(memoryview(b).cast("B")).translate(table)
+                output.write(data)
+                return len(data)
+
+            def close(self):
+                if not self.closed:
+                    output.close()
+                super().close()
+
+        return W()
+
+    def transform_from(self, input):
+        table = self._TABLE
+
+        class R(io.RawIOBase):
+            def readable(self):
+                return True
+
+            def readinto(self, b):
+                data = input.read(len(b))
+                b[:len(data)] = data.translate(table)
+                return len(data)
+
+        return R()
+
+
+def test_stream_transforms_are_undone_with_dcps_extension_registry(tmp_path):
+    src = str(tmp_path / "xor")
+    _dcp_save_local({"w": LOCAL_TENSORS["model.w"].clone(), "step": 3}, src, _extensions=[_Xor()])
+    with pytest.raises(DcpImportError, match=r"test\.xor/1"):  # torch's default registry lacks it
+        import_dcp(src, str(tmp_path / "a"), trust_pickle=True)
+    assert _nothing_at(str(tmp_path / "a"))
+    registry = ExtensionRegistry()
+    registry.register(_Xor)
+    import_dcp(src, str(tmp_path / "b"), trust_pickle=True, extension_registry=registry)
+    targets = {"w": torch.empty(7, 5), "step": None}
+    shardfmt.load(targets, str(tmp_path / "b"))
+    assert _same_bits(targets["w"], LOCAL_TENSORS["model.w"]) and targets["step"] == 3
+
+
+def test_unsupported_values_are_refused_or_skipped_with_a_warning(tmp_path, capsys):
+    src = str(tmp_path / "odd")
+    _dcp_save_local({"w": torch.ones(3), "step": 4, "frac": Fraction(1, 3), "tags": {1, 2}}, src)
+    with pytest.raises(DcpImportError, match="'frac'.*weights_only"):  # a custom class: not even loaded
+        import_dcp(src, str(tmp_path / "a"), trust_pickle=True)
+    assert _nothing_at(str(tmp_path / "a"))
+    with pytest.warns(UserWarning, match="skipped value"):
+        report = import_dcp(src, str(tmp_path / "b"), trust_pickle=True, skip_unsupported_values=True)
+    assert [k for k, _ in report.skipped] == ["frac", "tags"]  # a set loads, but is not typed JSON
+    assert set(report.manifest.values) == {"step"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = cli.main(["import-dcp", src, str(tmp_path / "c"), "--trust-pickle", "--skip-unsupported-values"])
+    assert rc == 0 and "skipped value 'tags'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_missing_trust_pickle_flag_is_refused(dcp1, tmp_path, capsys):
+    dst = str(tmp_path / "x")
+    assert cli.main(["import-dcp", dcp1, dst]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-pickle" in err and "pickle" in err and "run code" in err
+    with pytest.raises(DcpImportError, match="trust_pickle=True"):
+        import_dcp(dcp1, dst, trust_pickle=False)
+    assert _nothing_at(dst)
+
+
+class _Mkdir:
+    """Unpickling this calls os.mkdir(marker): a stand-in for any code a pickle can run."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+class _System:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _proto4(*parts: bytes) -> bytes:
+    return b"\x80\x04" + b"".join(parts) + b"."
+
+
+def _u(text: str) -> bytes:  # SHORT_BINUNICODE
+    raw = text.encode()
+    return b"\x8c" + bytes([len(raw)]) + raw
+
+
+_META = "torch.distributed.checkpoint.metadata"
+
+
+def _payloads(real_metadata: bytes, marker: str) -> dict[str, bytes]:
+    nested = pickle.loads(real_metadata)  # our own test file: a real Metadata object
+    nested.storage_meta.modules = [_Mkdir(marker)]
+    return {
+        # a real Metadata with a code-running object buried inside it
+        "nested_mkdir": pickle.dumps(nested),
+        "os_system": pickle.dumps(_System(marker)),
+        # an allowed module, then attribute walking to a function through a dotted name
+        "dotted_walk": _proto4(_u(_META), _u("os.system"), b"\x93", _u(f"touch {marker}"), b"\x85R"),
+        "builtins_getattr": _proto4(_u("builtins"), _u("getattr"), b"\x93"),
+        "torch_load": _proto4(_u("torch"), _u("load"), b"\x93"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["nested_mkdir", "os_system", "dotted_walk", "builtins_getattr", "torch_load"])
+def test_malicious_metadata_is_refused_without_running_it(dcp1, tmp_path, capsys, kind):
+    src = _copy(dcp1, tmp_path)
+    marker = str(tmp_path / "PWNED")
+    real = open(os.path.join(dcp1, ".metadata"), "rb").read()
+    payload = _payloads(real, marker)[kind]
+    with open(os.path.join(src, ".metadata"), "wb") as f:
+        f.write(payload)
+    dst = str(tmp_path / "dst")
+    with pytest.raises(UnsafePickleError, match="refused global") as e:
+        import_dcp(src, dst, trust_pickle=True)
+    assert os.path.join(src, ".metadata") in str(e.value)
+    want = {"nested_mkdir": "posix.mkdir", "os_system": "posix.system", "dotted_walk": f"{_META}.os.system",
+            "builtins_getattr": "builtins.getattr", "torch_load": "torch.load"}[kind]
+    assert want in str(e.value)
+    assert cli.main(["import-dcp", src, dst, "--trust-pickle"]) == 1
+    assert "UnsafePickleError" in capsys.readouterr().err
+    assert not os.path.exists(marker) and _nothing_at(dst)
+    if kind == "nested_mkdir":  # the payload is live: plain pickle would have run it
+        pickle.loads(payload)
+        assert os.path.isdir(marker)
+
+
+@pytest.mark.parametrize("payload", [
+    # BUILD onto an allowed class itself (would set attributes on torch's Metadata class)
+    _proto4(_u(_META), _u("Metadata"), b"\x93N}", _u("pwned"), b"K\x01s\x86b"),
+    # an allowed class called with arguments
+    _proto4(_u(_META), _u("Metadata"), b"\x93", _u("x"), b"\x85R"),
+    # a dtype called as a function, and an unknown layout name
+    _proto4(_u("torch"), _u("float32"), b"\x93", _u("x"), b"\x85R"),
+    _proto4(_u("torch.serialization"), _u("_get_layout"), b"\x93", _u("torch.load"), b"\x85R"),
+    b"\x80\x04\x95",  # truncated
+], ids=["build_on_class", "class_with_args", "call_dtype", "bad_layout", "truncated"])
+def test_allowed_globals_cannot_be_abused(tmp_path, payload):
+    with pytest.raises(DcpImportError):
+        parse_metadata(payload, where="x/.metadata")
+    assert not hasattr(Metadata, "pwned")
+
+
+def test_missing_metadata_missing_or_truncated_distcp_are_named(dcp1, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DcpImportError, match="no .metadata"):
+        import_dcp(str(empty), str(tmp_path / "d0"), trust_pickle=True)
+    missing = _copy(dcp1, tmp_path, "missing")
+    os.remove(os.path.join(missing, "__0_0.distcp"))
+    with pytest.raises(DcpImportError, match=r"__0_0\.distcp: missing"):
+        import_dcp(missing, str(tmp_path / "d1"), trust_pickle=True)
+    short = _copy(dcp1, tmp_path, "short")
+    path = os.path.join(short, "__0_0.distcp")
+    os.truncate(path, os.path.getsize(path) - 100)
+    with pytest.raises(DcpImportError, match=r"__0_0\.distcp: truncated: tensor '.*' chunk"):
+        import_dcp(short, str(tmp_path / "d2"), trust_pickle=True)
+    assert all(_nothing_at(str(tmp_path / d)) for d in ("d0", "d1", "d2"))
+
+
+def _late_item(src: str, budget: int):
+    """A non-empty chunk that the import writes after at least one earlier part."""
+    meta = parse_metadata(open(os.path.join(src, ".metadata"), "rb").read(), where="m")
+    sizes = {n: os.path.getsize(os.path.join(src, n)) for n in os.listdir(src) if n.endswith(".distcp")}
+    plan = plan_import(meta, sizes, memory_budget=budget)
+    late = [it for p in plan.parts[1:] for it in p.items if it.nbytes]
+    assert len(plan.parts) >= 2 and late
+    return late[-1]
+
+
+def _tensor_data_offset(item_bytes: bytes) -> int:
+    """Where the tensor's storage bytes start inside one torch.save'd item (its zip member data/0)."""
+    zf = zipfile.ZipFile(io.BytesIO(item_bytes))
+    info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack("<HH", item_bytes[info.header_offset + 26:info.header_offset + 30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("damage", ["flip_one_data_byte", "zero_the_item"])
+def test_corrupt_item_aborts_the_import_after_parts_were_written(dcp1, tmp_path, damage):
+    src = _copy(dcp1, tmp_path)
+    budget = 16
+    item = _late_item(src, budget)  # earlier parts are already staged when it fails
+    loc = item.location
+    with open(os.path.join(src, loc.relative_path), "r+b") as f:
+        f.seek(loc.offset)
+        raw = bytearray(f.read(loc.length))
+        if damage == "flip_one_data_byte":  # DCP has no checksum; torch.save's zip CRC catches it
+            raw[_tensor_data_offset(bytes(raw)) + item.nbytes - 1] ^= 0x01
+        else:
+            raw[:] = bytes(len(raw))
+        f.seek(loc.offset)
+        f.write(raw)
+    dst = str(tmp_path / "dst")
+    with pytest.raises(DcpImportError, match=f"{item.fqn!r}") as e:
+        import_dcp(src, dst, trust_pickle=True, memory_budget=budget)
+    assert ("CRC" in str(e.value)) if damage == "flip_one_data_byte" else ("weights_only" in str(e.value))
+    assert _nothing_at(dst)
+
+
+def test_plan_refuses_overlapping_chunks_and_maps_files_to_ranks():
+    loc = DcpLocation(relative_path="__0_0.distcp", offset=0, length=10)
+    t = DcpTensor(fqn="w", dtype=torch.float32, shape=(4,),
+                  chunks=(DcpChunk(offsets=(0,), sizes=(3,)), DcpChunk(offsets=(2,), sizes=(2,))))
+    meta = DcpMetadata(tensors={"w": t}, values=(), locations={("w", (0,)): loc, ("w", (2,)): loc})
+    with pytest.raises(DcpImportError, match="do not tile"):
+        plan_import(meta, {"__0_0.distcp": 10})
+    same = DcpTensor(fqn="w", dtype=torch.float32, shape=(4,),
+                     chunks=(DcpChunk(offsets=(0,), sizes=(4,)), DcpChunk(offsets=(0,), sizes=(4,))))
+    plan = plan_import(DcpMetadata(tensors={"w": same}, values=(), locations={("w", (0,)): loc}),
+                       {"__0_0.distcp": 10}, extra_files=["__3_0.distcp"])
+    assert [len(p.items) for p in plan.parts] == [1] and plan.world_size == 4  # a listed duplicate, once
+    assert rank_of_files(["__1_0.distcp", "__0_0.distcp", "__1_1.distcp"]) == {
+        "__0_0.distcp": 0, "__1_0.distcp": 1, "__1_1.distcp": 1}
+    assert rank_of_files(["b.distcp", "a.distcp"]) == {"a.distcp": 0, "b.distcp": 1}
+
+
+def test_model_and_adam_state_load_into_the_structure_dcp_saved(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 2}
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "imported")
+    _dcp_save_local(saved, src)
+    import_dcp(src, dst, trust_pickle=True)
+    # DCP saved optim.param_groups.0.lr, ...; shardfmt names the tensor-free list one value
+    m = shardfmt.read_manifest(dst)
+    assert "optim.param_groups" in m.values and "optim.param_groups.0.lr" not in m.values
+
+    def blank(x):
+        if isinstance(x, torch.Tensor):
+            return torch.full_like(x, -1)
+        if isinstance(x, dict):
+            return {k: blank(v) for k, v in x.items()}
+        return None if not isinstance(x, list) else [blank(v) for v in x]
+
+    targets = blank(saved)
+    targets["optim"]["param_groups"] = None  # a value leaf: replaced whole
+    shardfmt.load(targets, dst)
+    for k, v in saved["model"].items():
+        assert _same_bits(targets["model"][k], v), k
+    for i, st in saved["optim"]["state"].items():
+        for k, v in st.items():
+            assert _same_bits(targets["optim"]["state"][i][k], v), (i, k)
+    assert targets["optim"]["param_groups"] == saved["optim"]["param_groups"]
+    assert targets["epoch"] == 2
+
+
+def test_group_values_rebuilds_tensor_free_containers_as_shardfmt_names_them():
+    from reshard.dcp_import import Slot, group_values
+
+    tensors = ["optim.state.0.exp_avg"]
+    values = ["optim.state.0.step", "optim.param_groups.0.lr", "optim.param_groups.0.params", "sched.lr",
+              "gap.0", "gap.2", "top"]
+    paths = {"optim.state.0.exp_avg": ("optim", "state", "0", "exp_avg"), "optim.state.0.step": ("optim", "state", "0", "step"),
+             "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr"),
+             "optim.param_groups.0.params": ("optim", "param_groups", 0, "params"),
+             "sched.lr": ("sched", "lr"), "gap.0": ("gap", 0), "gap.2": ("gap", 2), "top": ("top",)}
+    got = dict(group_values(values, tensors, paths))
+    assert got == {
+        "optim.state.0.step": Slot("optim.state.0.step"),  # next to a tensor: its own value
+        "optim.param_groups": [{"lr": Slot("optim.param_groups.0.lr"), "params": Slot("optim.param_groups.0.params")}],
+        "sched": {"lr": Slot("sched.lr")},
+        "gap.0": Slot("gap.0"), "gap.2": Slot("gap.2"),  # a list with a hole cannot be rebuilt
+        "top": Slot("top"),
+    }
+    assert dict(group_values(values, tensors, None)) == {k: Slot(k) for k in values}
+    # {"a.b": 1, "a": {"t": tensor, "b": {"c": 2}}}: a rebuilt "a.b" would collide with the
+    # literal key "a.b": keep DCP's keys
+    clash_paths = {"a.b": ("a.b",), "a.b.c": ("a", "b", "c"), "a.t": ("a", "t")}
+    clash = dict(group_values(["a.b", "a.b.c"], ["a.t"], clash_paths))
+    assert clash == {"a.b": Slot("a.b"), "a.b.c": Slot("a.b.c")}
+    assert dict(group_values(["a.b", "a.b.c"], [], clash_paths)) == {"a.b": Slot("a.b"), "a": {"b": {"c": Slot("a.b.c")}}}

@@ -1,0 +1,354 @@
+"""Checkpoints on S3, against a real S3 server on loopback (moto's server, its own process).
+
+The server counts requests and bytes (tests/s3_server.py), so the byte bounds here are what
+crossed the wire, not what the client thinks it asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+import warnings
+
+import pytest
+import s3fs
+import torch
+
+import shardfmt
+from shardfmt.cli import main as shardfmt_main
+from shardfmt.errors import AccessDeniedError, CheckpointExistsError, CommitError, StorageError
+from tests import s3_server
+from tests.conftest import bytes_equal
+from tests.distributed.harness import check_all_ok, launch
+
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = s3_server.start()
+    old = {k: os.environ.get(k) for k in list(CREDS) + ["AWS_ENDPOINT_URL"]}
+    os.environ.update(CREDS, AWS_ENDPOINT_URL=srv.endpoint)
+    yield srv
+    srv.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(server):
+    name = "b" + uuid.uuid4().hex[:12]
+    s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True).mkdir(name)
+    server.clear_faults()
+    return f"s3://{name}"
+
+
+def _fs(server):
+    return s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True, use_listings_cache=False)
+
+
+def _state(seed=0, rows=2048):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(rows, 1024, generator=g), "b": torch.randn(1024, generator=g).bfloat16()},
+            "step": 7, "note": "hello"}
+
+
+def _empty_like(state):
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": None, "note": None}
+
+
+def test_save_and_load_round_trip_with_multipart_parts(server, bucket):
+    url = f"{bucket}/run/step_1"
+    state = _state()
+    server.reset_stats()
+    before = shardfmt.io_stats()
+    shardfmt.save(state, url, step=1, storage_options={"part_size": 5 << 20})
+    after, st = shardfmt.io_stats(), server.stats()
+    assert st["by_method"].get("POST", 0) >= 2, "an 8 MiB file in 5 MiB parts is a multipart upload"
+    # what the client counts is what the server saw (PUTs and multipart POSTs; bodies)
+    assert after["write_requests"] - before["write_requests"] == st["by_method"]["PUT"] + st["by_method"]["POST"]
+    assert 0 <= st["bytes_in"] - (after["bytes_written"] - before["bytes_written"]) < 4096
+    back = _empty_like(state)
+    rep = shardfmt.load(back, url)
+    assert all(bytes_equal(back["model"][k], state["model"][k]) for k in state["model"])
+    assert back["step"] == 7 and back["note"] == "hello"
+    assert rep.bytes_read >= rep.bytes_needed
+    assert shardfmt.validate(url, deep=True).ok
+    fs = _fs(server)
+    assert fs.exists(url + "/COMMITTED") and not fs.exists(url + "/LEASE"), "the lease goes at commit"
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket[5:]).get("Uploads")
+
+
+def test_upload_memory_stays_within_parts_in_flight(server, bucket):
+    """A 256 MiB file streams up in 16 MiB parts, 4 at a time (the defaults): RSS grows less than
+    2 x part size x concurrency (the issue's bound), far less than the file."""
+    code = textwrap.dedent(f"""
+        import os, threading, time, torch, shardfmt
+        def rss():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS"))
+        state = {{"w": torch.ones(64 << 20)}}  # 256 MiB
+        opts = {{"part_size": 16 << 20, "write_concurrency": 4}}
+        shardfmt.save({{"w": torch.ones(24 << 20)}}, "{bucket}/warm", storage_options=opts)  # warm-up: imports, client
+        base, peak, stop = rss(), [0], threading.Event()
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], rss()); time.sleep(0.005)
+        t = threading.Thread(target=sample); t.start()
+        shardfmt.save(state, "{bucket}/big", storage_options=opts)
+        stop.set(); t.join()
+        print("GROWTH", peak[0] - base)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    growth = int(out.stdout.split("GROWTH")[1])
+    assert growth < 2 * (16 << 20) * 4, f"peak RSS grew {growth / 2**20:.1f} MiB for 4 x 16 MiB parts in flight"
+
+
+@pytest.mark.slow
+def test_two_rank_save_to_s3_then_resharded_loads_read_what_they_need(server, bucket, tmp_path):
+    url = f"{bucket}/dist/step_5"
+    check_all_ok(launch("s3_save2", 2, {"path": url}, out_dir=str(tmp_path / "o"), timeout=240))
+    m = shardfmt.read_manifest(url)
+    assert m.topology.world_size == 2 and sorted(m.files) == ["data/rank_00000.safetensors",
+                                                              "data/rank_00001.safetensors"]
+    full = torch.arange(4096 * 512, dtype=torch.float32).reshape(4096, 512)
+    chunk = m.chunk_size
+    for rank in range(4):  # each rank of a 4-rank job loads its quarter of the rows
+        rows = slice(1024 * rank, 1024 * (rank + 1))
+        target = {"w": shardfmt.ShardedTensor(torch.zeros(1024, 512), (4096, 512), (1024 * rank, 0))}
+        server.reset_stats()
+        rep = shardfmt.load(target, url, strict=False)
+        st = server.stats()
+        assert torch.equal(target["w"].local, full[rows])
+        needed = 1024 * 512 * 4
+        small = sum(len(x) for x in (b"",)) + 64 << 10  # COMMITTED + manifest + one header, generously
+        assert st["bytes_out"] <= needed + 2 * chunk + small, (
+            f"rank {rank}: {st['bytes_out']} bytes crossed the wire for {needed} needed")
+        assert st["requests"] <= 5, f"rank {rank}: {st['requests']} requests ({st['by_method']})"
+        assert rep.bytes_needed == needed
+    assert shardfmt.validate(url, deep=True).ok
+
+
+def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
+    root = f"{bucket}/cli"
+    shardfmt.save(_state(rows=64), f"{root}/step_000000001", step=1)
+    fs = _fs(server)
+    fs.pipe_file(f"{root[5:]}/step_000000002/data/rank_00000.safetensors", b"torn")  # an orphan, no LEASE
+    assert shardfmt_main(["validate", "--deep", f"{root}/step_000000001"]) == 0
+    assert shardfmt_main(["inspect", f"{root}/step_000000001"]) == 0
+    assert "world size 1" in capsys.readouterr().out
+    assert shardfmt_main(["ls", "--json", root]) == 0
+    rows = {r["name"]: r["status"] for r in __import__("orjson").loads(capsys.readouterr().out)}
+    assert rows == {"step_000000001": "committed", "step_000000002": "incomplete"}
+    assert shardfmt_main(["validate", f"{root}/step_000000002"]) == 1  # uncommitted: invalid
+    capsys.readouterr()
+    assert shardfmt_main(["gc", root]) == 0  # the orphan's objects are fresh: its lease holds
+    assert "nothing to collect" in capsys.readouterr().out
+    assert shardfmt_main(["gc", "--lease-seconds", "0", "--json", root]) == 0
+    assert __import__("orjson").loads(capsys.readouterr().out)["removed"] == [f"{root}/step_000000002"]
+    assert fs.exists(f"{root[5:]}/step_000000001/COMMITTED")
+    assert not fs.exists(f"{root[5:]}/step_000000002/data/rank_00000.safetensors")
+    assert shardfmt_main(["ls", root]) == 0 and "step_000000002" not in capsys.readouterr().out
+    assert shardfmt_main(["validate", "--storage-options", '{"endpoint_url": "http://127.0.0.1:1"}',
+                          f"{root}/step_000000001"]) == 2  # unreachable: one line, exit 2
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def _torn_save_script(root: str) -> str:
+    return textwrap.dedent(f"""
+        import os, signal, torch, shardfmt
+        import shardfmt.objstore as O
+        ck = shardfmt.Checkpointer("{root}", storage_options={{"part_size": 5 << 20}})
+        ck.save(1, {{"m": torch.nn.Linear(4, 4)}})
+        orig = O._MultipartWriter._upload
+        def die_after_first_part(self, number, body, fill):
+            orig(self, number, body, fill)
+            os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-upload
+        O._MultipartWriter._upload = die_after_first_part
+        big = torch.nn.Linear(2048, 2048)  # 16 MiB: several parts
+        ck.save(2, {{"m": big}})
+    """)
+
+
+def test_torn_upload_is_ignored_by_restore_and_collected_after_its_lease(server, bucket):
+    root = f"{bucket}/torn"
+    out = subprocess.run([sys.executable, "-c", _torn_save_script(root)], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == -9, out.stderr[-2000:]
+    fs = _fs(server)
+    assert fs.exists(f"{root[5:]}/step_000000002/LEASE") and not fs.exists(f"{root[5:]}/step_000000002/COMMITTED")
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket[5:]).get("Uploads"), "the dead upload is pending"
+    ck = shardfmt.Checkpointer(root)
+    assert [(i.step, i.status) for i in ck.list()] == [(1, "committed"), (2, "incomplete")]
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ck.restore({"m": model}) == 1
+    assert ck.collect_garbage() == []  # never a save whose lease holds
+    removed = ck.collect_garbage(now=time.time() + ck.lease_seconds + 1)
+    assert any(r.endswith("step_000000002") for r in removed)
+    assert any("multipart" in r for r in removed)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket[5:]).get("Uploads")
+    assert [i.step for i in ck.list()] == [1]
+    ck.save(2, {"m": model})  # the step is free again
+    assert ck.latest().endswith("step_000000002")
+
+
+def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server, bucket):
+    import orjson
+
+    fs = _fs(server)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, holder in (("live", {"host": "another-node", "pid": 1}),
+                         ("dead", {"host": os.uname().nodename, "pid": dead.pid})):
+        fs.pipe_file(f"{bucket[5:]}/{name}/data/rank_00000.safetensors", b"partial")
+        fs.pipe_file(f"{bucket[5:]}/{name}/LEASE", orjson.dumps(dict(holder, time=time.time())))
+    with pytest.raises(CheckpointExistsError, match="in progress"):  # maybe live: never overwritten
+        shardfmt.save({"x": torch.ones(2)}, f"{bucket}/live")
+    assert fs.exists(f"{bucket[5:]}/live/data/rank_00000.safetensors")
+    shardfmt.save({"x": torch.ones(2)}, f"{bucket}/dead")  # a restarted job on the same node
+    assert shardfmt.validate(f"{bucket}/dead").ok
+
+
+def test_archive_to_s3_then_restore_after_the_local_root_is_gone(server, bucket, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "local")
+    archive = f"{bucket}/archive"
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    with shardfmt.Checkpointer(root, archive=archive, archive_every=2, keep_last=1) as ck:
+        for step in range(1, 6):
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            ck.save(step, {"model": model, "optim": opt})
+        ck.wait()
+        assert ck.archive_errors == []
+    arch = shardfmt.Checkpointer(archive)
+    assert [(i.step, i.status) for i in arch.list()] == [(1, "committed"), (2, "committed"), (4, "committed")]
+    assert shardfmt.validate(f"{archive}/step_000000004", deep=True).ok
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    shutil.rmtree(root)  # the node's disk died
+    fresh = torch.nn.Linear(64, 64)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with pytest.warns(UserWarning, match="from the archive"):
+        step = shardfmt.Checkpointer(root, archive=archive, archive_every=2).restore(
+            {"model": fresh, "optim": fresh_opt})
+    assert step == 4
+    # step 5 was never archived (⌊5/2⌋ = ⌊4/2⌋); the archive's newest is step 4, which we compare to
+    ck4 = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    shardfmt.load(ck4, f"{archive}/step_000000004", strict=False)
+    assert all(bytes_equal(fresh.state_dict()[k], ck4["model"][k]) for k in want)
+
+
+def test_archive_failures_are_retried_reported_and_never_raised(server, bucket, tmp_path):
+    ck = shardfmt.Checkpointer(str(tmp_path / "r"), archive="s3://no-such-bucket-here/a",
+                               archive_storage_options=FAST_FAIL, archive_backoff=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(1, {"m": torch.nn.Linear(4, 4)})
+        ck.wait()
+    assert ck.latest().endswith("step_000000001"), "training's own checkpoint is unaffected"
+    assert len(ck.archive_errors) == 1 and "s3://no-such-bucket-here/a/step_000000001" in ck.archive_errors[0]
+    assert "bucket does not exist" in ck.archive_errors[0]
+    assert sum("retrying" in str(w.message) for w in caught) == ck.archive_attempts - 1
+
+
+def test_missing_bucket_and_unreachable_endpoint_fail_fast_with_the_url(server):
+    with pytest.raises(StorageError, match=r"s3://no-such-bucket-x/ck.*bucket does not exist"):
+        shardfmt.save({"x": torch.ones(4)}, "s3://no-such-bucket-x/ck", storage_options=FAST_FAIL)
+    with pytest.raises(StorageError, match="no-such-bucket-x"):
+        shardfmt.load({"x": torch.ones(4)}, "s3://no-such-bucket-x/ck", storage_options=FAST_FAIL)
+    t = time.monotonic()
+    with pytest.raises(StorageError, match=r"s3://bkt/ck.*cannot reach"):
+        shardfmt.save({"x": torch.ones(4)}, "s3://bkt/ck",
+                      storage_options=dict(FAST_FAIL, endpoint_url="http://127.0.0.1:1"))
+    assert time.monotonic() - t < 30
+
+
+def test_a_5xx_in_the_middle_of_a_save_commits_nothing_and_leaves_no_upload(server, bucket):
+    url = f"{bucket}/flaky/step_1"
+    server.fail("PUT", after=3)  # LEASE and the first parts go through, then every PUT is a 500
+    with pytest.raises(StorageError, match=f"{url}.*(InternalError|injected|500)"):
+        shardfmt.save(_state(), url, storage_options=dict(FAST_FAIL, part_size=5 << 20))
+    server.clear_faults()
+    fs = _fs(server)
+    assert not fs.exists(url[5:] + "/COMMITTED")
+    with pytest.raises((CommitError, shardfmt.errors.CheckpointNotFoundError)):
+        shardfmt.read_manifest(url)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=bucket[5:]).get("Uploads")
+    shardfmt.save(_state(), url)  # the failed save removed what it wrote: the path is usable at once
+    assert shardfmt.validate(url).ok
+
+
+def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
+    """The COMMITTED object is written only if absent: the second save to commit is refused."""
+    import shardfmt.commit as C
+
+    url = f"{bucket}/race/step_1"
+    shardfmt.save({"x": torch.ones(4)}, url)
+    storage, path = shardfmt.storage.get_storage(url)
+    from shardfmt.manifest import CommitRecord
+
+    with pytest.raises(CheckpointExistsError):
+        storage.write_bytes(storage.join(path, "COMMITTED"),
+                            CommitRecord(save_id="other", manifest_digest="x").to_json(), exclusive=True)
+    assert C.is_committed(storage, path) and shardfmt.validate(url).ok
+
+
+@pytest.fixture(scope="module")
+def auth_server():
+    srv = s3_server.start(auth=True)
+    yield srv
+    srv.stop()
+
+
+def test_bad_credentials_are_refused_with_a_clear_error(auth_server):
+    opts = dict(FAST_FAIL, endpoint_url=auth_server.endpoint, key="AKIAWRONGWRONGWRONG1", secret="wrong")
+    with pytest.raises(AccessDeniedError, match=r"s3://bkt-auth/ck.*access denied"):
+        shardfmt.save({"x": torch.ones(4)}, "s3://bkt-auth/ck", storage_options=opts)
+    with pytest.raises(AccessDeniedError, match="credentials"):
+        shardfmt.load({"x": torch.ones(4)}, "s3://bkt-auth/ck", storage_options=opts)
+    assert auth_server.stats()["requests"] >= 1, "the requests reached the server and were refused there"
+
+
+def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket):
+    root = f"{bucket}/ckpt"
+    model = torch.nn.Linear(32, 32)
+    with shardfmt.Checkpointer(root, keep_last=2) as ck:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            handle = ck.save(step, {"model": model}, async_=True)
+        handle.wait()
+        ck.wait()
+        assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "committed")]
+    fs = _fs(server)
+    data = f"{root[5:]}/step_000000003/data/rank_00000.safetensors"
+    raw = bytearray(fs.cat_file(data))
+    raw[-1] ^= 0xFF  # a flipped byte in the newest checkpoint
+    fs.pipe_file(data, bytes(raw))
+    fresh = torch.nn.Linear(32, 32)
+    ck = shardfmt.Checkpointer(root)
+    with pytest.warns(UserWarning, match="unusable"):
+        assert ck.restore({"model": fresh}) == 2
+    assert torch.equal(fresh.weight, torch.full((32, 32), 2.0))
+    assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "quarantined")]
+    assert fs.exists(f"{root[5:]}/step_000000003/QUARANTINED")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the quarantined one is not tried again
+        assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 2
+    with pytest.warns(UserWarning, match="replacing the quarantined"):
+        ck.save(3, {"model": fresh})  # training goes on from step 2 and saves step 3 again
+    assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "committed")]
