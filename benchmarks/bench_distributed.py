@@ -85,7 +85,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 from common import (
     MIB,
@@ -102,6 +101,7 @@ from common import (
     read_pieces,
     remove,
     rotate,
+    run_worker,
     write_pieces,
 )
 
@@ -624,36 +624,7 @@ JOBS = {"main": job_main, "load": job_load}
 
 
 def worker_main(argv: list[str]) -> None:
-    name, rank, world, port, raw = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    args = json.loads(raw)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    distributed = world > 1
-    if distributed:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=dt.timedelta(seconds=args.get("pg_timeout", 900)))
-    if args.get("profile", True):
-        install_profiler()
-    ctx = Ctx(rank, world, args, distributed)
-    try:
-        JOBS[name](ctx)
-        result = {"ok": True, "records": ctx.records}
-    except BaseException as e:  # noqa: BLE001 - reported to the driver
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(),
-                  "records": ctx.records}
-        print(f"[{ctx.label}] rank {rank} FAILED: {result['trace']}", file=sys.stderr, flush=True)
-    ctx.sampler.close()
-    with open(os.path.join(args["out_dir"], f"rank_{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if distributed:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-    sys.stdout.flush()
-    os._exit(0 if result["ok"] else 1)
+    run_worker(argv, JOBS, Ctx, setup=lambda args: install_profiler() if args.get("profile", True) else None)
 
 
 # ----------------------------------------------------------------------------- driver

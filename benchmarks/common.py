@@ -307,3 +307,45 @@ def code_fingerprint(dirs=("shardfmt", "reshard")) -> str:
                 with open(f, "rb") as fh:
                     h.update(fh.read())
     return h.hexdigest()
+
+
+def run_worker(argv: list[str], jobs: dict, make_ctx, *, setup=None) -> None:
+    """A benchmark rank's process: ``argv`` = JOB RANK WORLD PORT ARGS_JSON (see ``launch``).
+
+    Joins the gloo group (world > 1), builds ``make_ctx(rank, world, args, distributed)`` (an
+    object with ``label``, ``records`` and ``sampler``), runs ``jobs[JOB](ctx)``, writes
+    ``{out_dir}/rank_<r>.json`` (records, or the error and its trace) and exits 0 or 1.
+    """
+    import datetime as dt
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    name, rank, world, port, raw = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    args = json.loads(raw)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    distributed = world > 1
+    if distributed:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=dt.timedelta(seconds=args.get("pg_timeout", 900)))
+    if setup is not None:
+        setup(args)
+    ctx = make_ctx(rank, world, args, distributed)
+    try:
+        jobs[name](ctx)
+        result = {"ok": True, "records": ctx.records}
+    except BaseException as e:  # noqa: BLE001 - reported to the driver
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(),
+                  "records": ctx.records}
+        print(f"[{ctx.label}] rank {rank} FAILED: {result['trace']}", file=sys.stderr, flush=True)
+    ctx.sampler.close()
+    with open(os.path.join(args["out_dir"], f"rank_{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if distributed:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    os._exit(0 if result["ok"] else 1)

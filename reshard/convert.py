@@ -50,6 +50,7 @@ from .stream import (
     Progress,
     Source,
     StreamStats,
+    fit_uploads,
     memory_plan,
     parse_size,
     plan_windows,
@@ -235,11 +236,12 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
               if rec.alias_of is None and rec.view is None}
     files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
     pieces, units = pieces_of(files)
-    mem = memory_plan(memory_budget, chunk_size=m.chunk_size, verify=source.verify,
-                      workers=min(4, getattr(source.storage, "read_concurrency", 4)))
     dst_storage, dst_path = get_storage(dst, storage_options)
     if max_open_files is None:
         max_open_files = 1 if getattr(dst_storage, "object_store", False) else DEFAULT_MAX_OPEN_FILES
+    data_budget = fit_uploads(dst_storage, memory_budget) if max_open_files == 1 else memory_budget
+    mem = memory_plan(data_budget, chunk_size=m.chunk_size, verify=source.verify,
+                      workers=min(4, getattr(source.storage, "read_concurrency", 4)))
     groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
     shapes = {name: m.tensor(name).shape for name in dtypes}
     plans = []

@@ -54,6 +54,7 @@ from shardfmt.dtypes import dtype_code
 from shardfmt.errors import CheckpointNotFoundError, DcpImportError, EncodingError
 from shardfmt.manifest import Manifest, Topology
 from shardfmt.storage import Storage, get_storage
+from shardfmt.tensor_bytes import BufferFile
 from shardfmt.writer import CheckpointWriter, ShardData
 
 from .dcp_metadata import DcpLocation, DcpMetadata, parse_metadata
@@ -312,35 +313,6 @@ class ImportReport:
     bytes_read: int
 
 
-class _BufferFile(io.RawIOBase):
-    """A read-only, seekable file over a buffer that, unlike ``io.BytesIO``, does not copy it."""
-
-    def __init__(self, buf) -> None:
-        super().__init__()
-        self._mv = memoryview(buf).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._mv) - self._pos))
-        memoryview(b).cast("B")[:n] = self._mv[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
 class _Unloadable(DcpImportError):
     """An item's pickle names a global ``weights_only`` refuses (a custom class): intact but unsupported."""
 
@@ -356,7 +328,7 @@ def _check_crc(data, where: str) -> None:
         return
     mv = memoryview(data).cast("B")
     try:
-        with zipfile.ZipFile(_BufferFile(mv)) as zf:
+        with zipfile.ZipFile(BufferFile(mv)) as zf:
             for info in zf.infolist():
                 if info.CRC == 0 or info.file_size == 0:
                     continue
@@ -420,7 +392,7 @@ class _ItemReader:
         data = self.raw(loc, what)
         _check_crc(data, f"{self.path(loc)}: {what}")
         try:
-            return torch.load(_BufferFile(data), map_location="cpu", weights_only=True)
+            return torch.load(BufferFile(data), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - corrupt bytes, or a global weights_only refuses
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             err = _Unloadable if isinstance(e, pickle.UnpicklingError) else DcpImportError

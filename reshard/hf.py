@@ -63,6 +63,7 @@ from .stream import (
     Source,
     Strided,
     fill_window,
+    fit_uploads,
     memory_plan,
     parse_size,
     plan_windows,
@@ -220,7 +221,7 @@ def export_hf(
                               + (f" under {only!r}" if only else "") + f" (top-level names: {tops[:10]})")
 
     source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
-    mem = memory_plan(budget, chunk_size=m.chunk_size, verify=verify,
+    mem = memory_plan(fit_uploads(dst_storage, budget), chunk_size=m.chunk_size, verify=verify,
                       workers=min(4, getattr(ckpt.storage, "read_concurrency", 4)))
     buffers = None
     omitted: list[tuple[str, str]] = []

@@ -159,6 +159,29 @@ class MemoryPlan:
     bounce_read: int
 
 
+UPLOAD_CLIENT_BYTES = 16 << 20
+
+
+def fit_uploads(storage, budget: int) -> int:
+    """Make an object store's upload buffers part of ``budget``; return what is left for data.
+
+    A multipart upload holds ``(write_concurrency + 1) x part_size`` bytes of part buffers
+    (shardfmt.objstore), and the S3 client about UPLOAD_CLIENT_BYTES more while requests are in
+    flight (measured). For one file open at a time, parts shrink to ``budget / 16`` (at least
+    S3's 5 MiB) and at most ``budget / 8`` of parts are in flight; local disk needs nothing.
+    """
+    if not getattr(storage, "multipart", False):
+        return budget
+    part = max(5 << 20, min(storage.part_size, budget // 16))
+    conc = max(1, min(storage.write_concurrency, budget // 8 // part))
+    storage.part_size, storage.write_concurrency = part, conc
+    uploads = (conc + 1) * part + UPLOAD_CLIENT_BYTES
+    if budget - uploads < MIN_BUDGET:
+        raise BudgetError(f"memory budget {human(budget)} is too small to upload to {storage.url('')}: "
+                          f"its uploads alone take {human(uploads)} (give at least {human(uploads + MIN_BUDGET)})")
+    return budget - uploads
+
+
 def memory_plan(budget: int, *, chunk_size: int, verify: bool, workers: int = DEFAULT_WORKERS) -> MemoryPlan:
     """Split ``budget`` into window buffers and bounce buffers.
 

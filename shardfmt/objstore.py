@@ -21,7 +21,6 @@ Every request is counted in ``storage.stats``.
 
 from __future__ import annotations
 
-import io
 import os
 import posixpath
 import threading
@@ -35,6 +34,7 @@ import orjson
 from .errors import AccessDeniedError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .manifest import LEASE_NAME
 from .storage import PROCESS_IO, IOStats
+from .tensor_bytes import BufferFile
 
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"})
 
@@ -173,47 +173,6 @@ class _StreamWriter:
             pass
 
 
-class _BufferReader(io.RawIOBase):
-    """A seekable file over a buffer, for request bodies: the client streams it as is.
-
-    (Given a bytearray, botocore and aiohttp copy it once or twice more; given this, none.)
-    """
-
-    def __init__(self, data) -> None:
-        super().__init__()
-        self._mv = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, len(self._mv))[whence]
-        self._pos = max(0, min(len(self._mv), base + offset))
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = min(len(b), len(self._mv) - self._pos)
-        memoryview(b).cast("B")[:n] = self._mv[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
-        out = bytes(self._mv[self._pos : end])
-        self._pos = end
-        return out
-
-    def __len__(self) -> int:
-        return len(self._mv)
-
-
 class _MultipartWriter:
     """S3: stream a file up as a multipart upload, parts in parallel, memory bounded.
 
@@ -292,7 +251,7 @@ class _MultipartWriter:
                 return
             out = self._st.fs.call_s3("upload_part", Bucket=self._bucket, Key=self._key,
                                       UploadId=self._upload_id, PartNumber=number,
-                                      Body=_BufferReader(memoryview(body)[:fill]), ContentLength=fill)
+                                      Body=BufferFile(memoryview(body)[:fill]), ContentLength=fill)
             with self._lock:
                 self._parts[number] = out["ETag"]
             self._st.stats.add_write(fill)

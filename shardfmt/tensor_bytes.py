@@ -2,11 +2,13 @@
 
 A contiguous CPU tensor is exposed as a memoryview of its own memory (no copy). A
 non-contiguous or non-CPU tensor is copied in bounded row blocks, so writing a strided
-view never materialises the whole tensor.
+view never materialises the whole tensor. ``BufferFile`` presents any buffer as a read-only
+file without copying it.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 
 import torch
@@ -44,3 +46,45 @@ def byte_pieces(t: torch.Tensor, *, piece_bytes: int = DEFAULT_PIECE_BYTES) -> I
     for i in range(0, t.shape[0], rows):
         block = t[i : i + rows].detach().to("cpu", copy=True).contiguous()
         yield from byte_pieces(block, piece_bytes=piece_bytes)
+
+
+class BufferFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer that, unlike ``io.BytesIO``, never copies it.
+
+    For request bodies (given a bytearray, botocore and aiohttp copy it once or twice more;
+    given this, none) and for parsers that want a file (zipfile, torch.load).
+    """
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, len(self._mv))[whence]
+        self._pos = max(0, min(len(self._mv), base + offset))
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self._mv) - self._pos)
+        memoryview(b).cast("B")[:n] = self._mv[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos : end])
+        self._pos = end
+        return out
+
+    def __len__(self) -> int:
+        return len(self._mv)

@@ -352,3 +352,53 @@ def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket)
     with pytest.warns(UserWarning, match="replacing the quarantined"):
         ck.save(3, {"model": fresh})  # training goes on from step 2 and saves step 3 again
     assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "committed")]
+
+
+_CONVERT_RSS = r"""
+import json, sys, threading, time
+import reshard.convert, shardfmt
+from shardfmt.storage import get_storage
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+src, dst, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+st, p = get_storage(dst)
+# the S3 client, its service model and multipart code paths are loaded before the baseline
+shardfmt.save({"w": __import__("torch").ones(3 << 20)}, dst + "-warm", storage_options={"part_size": 5 << 20})
+peak, stop = [rss()], threading.Event()
+before = peak[0]
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], rss()); time.sleep(0.001)
+t = threading.Thread(target=sample, daemon=True); t.start()
+rep = reshard.convert.convert(src, dst, "tp=3", memory_budget=budget)
+stop.set(); t.join()
+print(json.dumps({"growth": max(peak[0], rss()) - before, "windows": rep.windows}))
+"""
+
+
+def test_convert_to_s3_keeps_its_upload_buffers_inside_the_budget(server, bucket, tmp_path):
+    import json
+
+    from tests.test_convert import _big_checkpoint
+
+    src = str(tmp_path / "src")
+    size = _big_checkpoint(src, 72)
+    budget = 48 << 20
+    dst = f"{bucket}/converted"
+    out = subprocess.run([sys.executable, "-c", _CONVERT_RSS, src, dst, str(budget)], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert size > budget
+    assert got["growth"] < budget + (32 << 20), f"RSS grew {got['growth'] / 2**20:.1f} MiB"
+    m = shardfmt.read_manifest(dst)
+    assert m.topology.world_size == 3 and shardfmt.validate(dst, deep=True).ok
+    ref = {n: torch.empty(r.shape, dtype=getattr(torch, {"F32": "float32", "BF16": "bfloat16"}[r.dtype]))
+           for n, r in m.tensors.items()}
+    back = {n: torch.empty_like(t) for n, t in ref.items()}
+    shardfmt.load(ref, src)
+    shardfmt.load(back, dst)
+    assert all(bytes_equal(back[k], ref[k]) for k in ref)
