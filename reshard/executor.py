@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardfmt.errors import IntegrityError, ShardfmtError, StorageError
+from shardfmt.errors import IntegrityError, ShardfmtError
 from shardfmt.hashing import ChunkHasher
 from shardfmt.manifest import FileRecord
 from shardfmt.storage import FileReader, Storage
@@ -199,8 +199,8 @@ class Executor:
                     pos += len(piece)
                     if hasher is not None:
                         hasher.update(piece)
-        except ShardfmtError as e:
-            raise StorageError(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
+        except ShardfmtError as e:  # same kind (truncation stays an IntegrityError), with the read named
+            raise type(e)(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
                                f"failed: {e}") from None
         if hasher is not None:
             self._verify(read, hasher.finish())

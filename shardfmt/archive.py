@@ -63,7 +63,8 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         _commit.publish(dst_storage, dst_path, staging, m)
     except BaseException:
         lease.stop()
-        _commit.abort(dst_storage, staging)
+        if staging != dst_path or not _commit.is_committed(dst_storage, dst_path):
+            _commit.abort(dst_storage, staging)  # never a committed copy (ours, its reply lost, or a racer's)
         raise
     lease.stop(release=True)
     return m

@@ -46,14 +46,16 @@ from .errors import (
     CheckpointNotFoundError,
     ShardfmtError,
     StateDictError,
+    StorageError,
 )
+from .manifest import QUARANTINED_NAME
 from .reader import open_checkpoint
 from .retention import (
     parse_step_dir,
     step_dir_name,
     to_delete,
 )
-from .roots import QUARANTINED_NAME, CheckpointInfo, collect_garbage, list_steps
+from .roots import CheckpointInfo, collect_garbage, list_steps
 from .state import PerRank
 from .storage import get_storage
 
@@ -95,6 +97,8 @@ class Checkpointer:
             raise ValueError("keep_last must be >= 1")
         if archive_every < 1:
             raise ValueError("archive_every must be >= 1")
+        if lease_seconds is not None:  # the saves' heartbeat and the collector agree on it
+            storage_options = dict(storage_options or {}, lease_seconds=lease_seconds)
         self.storage, self.root = get_storage(root, storage_options)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -103,7 +107,7 @@ class Checkpointer:
         self.storage_options = storage_options
         self.process_group = process_group
         self.timeout = timeout
-        self.lease_seconds = self.storage.lease_seconds if lease_seconds is None else lease_seconds
+        self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []
@@ -377,6 +381,8 @@ class Checkpointer:
                 obj.to_empty(device="cpu")  # a model built on the meta device gets real storage to load into
         rank = self._rank()
         choice = self._broadcast(self._candidates() if rank == 0 else None)
+        if "error" in choice:  # root cannot be listed (a misspelled bucket, no access): not "no checkpoints"
+            raise StorageError(choice["error"])
         for step, tier, path in choice["candidates"]:
             storage, opts = ((self.storage, self.storage_options) if tier == "root"
                              else (self.archive_storage, self.archive_storage_options))
@@ -391,9 +397,16 @@ class Checkpointer:
             except CompatibilityError:
                 raise
             except _FAILURES as e:
-                err = f"{type(e).__name__}: {e}"
+                # A storage failure (network, throttling, permission) says nothing about the
+                # checkpoint: nothing is quarantined and restore fails, to be retried.
+                transient = isinstance(e, StorageError) or (isinstance(e, OSError) and not isinstance(e, ShardfmtError))
+                err = {"error": f"{type(e).__name__}: {e}", "transient": transient}
             errors = self._all_gather(err)
-            bad = [(r, e) for r, e in enumerate(errors) if e]
+            failing = [(r, e) for r, e in enumerate(errors) if e]
+            if any(e["transient"] for _, e in failing):
+                raise StorageError(f"restoring {storage.url(path)} failed on storage access (nothing was "
+                                   "quarantined; retry): " + "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4]))
+            bad = [(r, e["error"]) for r, e in failing]
             if bad:
                 why = "; ".join(f"rank {r}: {e}" for r, e in bad[:4])
                 warnings.warn(f"checkpoint {storage.url(path)} is unusable, falling back to the previous one: "
@@ -423,6 +436,8 @@ class Checkpointer:
             try:
                 infos = list_steps(storage, root)
             except _FAILURES as e:
+                if tier == "root" and self.archive_storage is None:
+                    return {"error": f"{storage.url(root)}: cannot list checkpoints: {e}"}
                 warnings.warn(f"{storage.url(root)}: cannot list checkpoints: {e}", stacklevel=3)
                 continue
             seen_any = seen_any or bool(infos)

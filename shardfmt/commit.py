@@ -31,13 +31,20 @@ from collections.abc import Callable
 import orjson
 
 from . import hashing
-from .errors import CheckpointExistsError, CommitError, ShardfmtError, StorageError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    ShardfmtError,
+    StorageError,
+)
 from .manifest import (
     COMMITTED_NAME,
     DATA_DIR,
     LEASE_NAME,
     MANIFEST_NAME,
     MAX_COMMITTED_BYTES,
+    QUARANTINED_NAME,
     CommitRecord,
     Manifest,
     parse_commit,
@@ -82,45 +89,83 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
     a dead save's leftover once its lease has expired, and is removed; while its lease is
     fresh it is a save in progress and this save refuses to start.
     """
+    if not storage.atomic_rename and "/" not in path.strip("/"):
+        raise StorageError(f"{storage.url(path)}: a checkpoint cannot live at a bucket's root; "
+                           "give a prefix (e.g. s3://bucket/run1/step_000000100)")
     if storage.exists(path):
         if is_committed(storage, path):
             if not overwrite:
                 raise CheckpointExistsError(
-                    f"{storage.url(path)}: a committed checkpoint is already there (pass overwrite=True to replace it)"
-                )
+                    f"{storage.url(path)}: a committed checkpoint is already there "
+                    "(pass overwrite=True / --overwrite to replace it)")
             if not storage.atomic_rename:
                 raise CommitError(f"{storage.url(path)}: overwriting a checkpoint on this storage is not supported; "
                                   "save to a new path")
         elif not storage.atomic_rename:
-            lease = storage.lease_seconds if lease_seconds is None else lease_seconds
-            age = (time.time() if now is None else now) - storage.mtime(path)
-            if age <= lease and not _holder_is_dead(storage, path):
-                raise CheckpointExistsError(
-                    f"{storage.url(path)}: another save is in progress there (its lease was refreshed "
-                    f"{age:.0f} s ago; a dead save's leftover is removed once its {lease:.0f} s lease expires)")
-            storage.remove_tree(path)  # a dead save's leftover: nothing a loader trusts
+            _clear_leftover(storage, path, overwrite=overwrite,
+                            lease=storage.lease_seconds if lease_seconds is None else lease_seconds,
+                            now=time.time() if now is None else now)
         elif storage.isdir(path) and storage.listdir(path) and not overwrite:
             raise CheckpointExistsError(
                 f"{path}: exists, is not empty and is not a committed checkpoint; refusing to replace it "
-                "(pass overwrite=True)"
+                "(pass overwrite=True / --overwrite)"
             )
     target = staging_path(path, save_id) if storage.atomic_rename else path
     if storage.atomic_rename and storage.exists(target):
         raise CommitError(f"{target}: staging location already exists (save id reused?)")
     storage.makedirs(storage.join(target, DATA_DIR))
     if not storage.atomic_rename:
-        storage.touch(target)  # take the lease before the first data byte
+        storage.take_lease(target)  # only if absent: of two saves starting together, one goes on
     return target
 
 
+_SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME)
+
+
+def is_save_leftover(storage: Storage, path: str) -> bool:
+    """Whether the uncommitted prefix ``path`` holds only what a shardfmt save writes, LEASE
+    included (taken before its first data byte): anything else is not ours to remove."""
+    names = storage.list_tree(path)
+    return LEASE_NAME in names and all(
+        n in _SAVE_NAMES or (n.startswith(DATA_DIR + "/") and n.endswith(".safetensors")
+                             and "/" not in n[len(DATA_DIR) + 1:]) for n in names)
+
+
+def lease_age(storage: Storage, path: str, now: float) -> float:
+    return now - storage.mtime(path)
+
+
+def _clear_leftover(storage: Storage, path: str, *, overwrite: bool, lease: float, now: float) -> None:
+    """Object stores: remove a dead save's leftover at ``path``; refuse a live save's or anything else."""
+    if not is_save_leftover(storage, path):
+        if not storage.list_tree(path):
+            return
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"{storage.url(path)}: holds objects that are not a shardfmt checkpoint; refusing to replace "
+                "them (pass overwrite=True / --overwrite)")
+    else:
+        age = lease_age(storage, path, now)
+        if age <= lease and not _holder_is_dead(storage, path):
+            raise CheckpointExistsError(
+                f"{storage.url(path)}: another save is in progress there (its lease was refreshed "
+                f"{age:.0f} s ago; a dead save's leftover is removed once its {lease:.0f} s lease expires)")
+    storage.remove_tree(path)
+
+
 def _holder_is_dead(storage: Storage, path: str) -> bool:
-    """Whether the lease at ``path`` was taken by a process of this host that no longer runs
-    (a job restarted on the same node need not wait out its dead predecessor's lease)."""
+    """Whether the lease at ``path`` was taken by a process of this host (same hostname and
+    pid namespace) that no longer runs: a job restarted on the same node need not wait out
+    its dead predecessor's lease."""
     import os
+
+    from .objstore import lease_identity
 
     try:
         holder = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
-        if holder.get("host") != os.uname().nodename or not isinstance(holder.get("pid"), int):
+        me = lease_identity()
+        if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int) \
+                or any(holder.get(k) != me[k] for k in ("host", "pidns")):
             return False
         os.kill(holder["pid"], 0)
     except ProcessLookupError:
@@ -146,10 +191,20 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
     storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
     step("manifest_written")
     marker = storage.join(staging, COMMITTED_NAME)
+    if not storage.atomic_rename:
+        try:
+            present = set(storage.listdir(storage.join(staging, DATA_DIR))) if manifest.files else set()
+        except CheckpointNotFoundError:
+            present = set()
+        gone = sorted(f for f in manifest.files if posixpath.basename(f) not in present)
+        if gone:  # removed under us (a collector that thought this save dead): never commit that
+            raise CommitError(f"{storage.url(path)}: data file(s) {gone[:3]} vanished before the commit")
     try:
         storage.write_bytes(marker, record.to_json(), exclusive=not storage.atomic_rename)
     except CheckpointExistsError:
-        raise CheckpointExistsError(f"{storage.url(path)}: another save committed here first") from None
+        # A retried PUT whose first attempt landed (its reply lost) also ends here: ours, then.
+        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES), source=marker) != record:
+            raise CheckpointExistsError(f"{storage.url(path)}: another save committed here first") from None
     step("committed_written")
     if not storage.atomic_rename:
         # Where the store cannot write "only if absent", a racing save could have replaced

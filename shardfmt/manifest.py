@@ -25,6 +25,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
 LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec 2.1)
+QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a bad checkpoint aside; they mark it
 DATA_DIR = "data"
 
 MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller

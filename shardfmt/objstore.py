@@ -31,7 +31,14 @@ from typing import Any
 
 import orjson
 
-from .errors import AccessDeniedError, CheckpointExistsError, CheckpointNotFoundError, StorageError
+from .errors import (
+    AccessDeniedError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ShardfmtError,
+    StorageError,
+)
 from .manifest import LEASE_NAME
 from .storage import PROCESS_IO, IOStats
 from .tensor_bytes import BufferFile
@@ -100,8 +107,8 @@ class _Reader:
             data = self._st._call(self._path, "read", self._st.fs.cat_file, self._path,
                                   start=offset, end=offset + want)
             if len(data) != want:
-                raise StorageError(f"{self._st.url(self._path)}: short read at byte {offset} "
-                                   f"({len(data)} of {want} bytes)")
+                raise IntegrityError(f"{self._st.url(self._path)}: short read at byte {offset} "
+                                     f"({len(data)} of {want} bytes; truncated?)")
             pos = 0
             for b in buffers:
                 b[:] = memoryview(data)[pos : pos + len(b)]
@@ -125,8 +132,8 @@ class _Reader:
                     while pos < len(b):
                         piece = await body.read(min(len(b) - pos, 4 << 20))
                         if not piece:
-                            raise StorageError(f"{self._st.url(self._path)}: short read at byte {offset + got} "
-                                               f"(wanted {want} bytes from {offset})")
+                            raise IntegrityError(f"{self._st.url(self._path)}: ends at byte {offset + got}, "
+                                                 f"before the {want} bytes wanted from {offset} (truncated?)")
                         b[pos : pos + len(piece)] = piece
                         pos += len(piece)
                         got += len(piece)
@@ -136,12 +143,15 @@ class _Reader:
         for attempt in range(3):  # the body can fail mid-stream; the range is simply asked again
             try:
                 return sync(fs.loop, get)
-            except (StorageError, FileNotFoundError, PermissionError):
+            except (StorageError, IntegrityError, FileNotFoundError, PermissionError):
                 raise
-            except Exception:  # noqa: BLE001 - transient transfer errors: retried, then reported
+            except Exception as e:  # noqa: BLE001
+                if "InvalidRange" in str(e) or "416" in str(e):
+                    raise IntegrityError(f"{self._st.url(self._path)}: bytes from {offset} are past its end "
+                                         "(truncated?)") from None
                 if attempt == 2:
                     raise
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(0.2 * 2 ** attempt)  # transient transfer errors: retried, then reported
 
     def close(self) -> None:
         pass
@@ -335,7 +345,7 @@ class FsspecStorage:
     def _call(self, path: str, what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except StorageError:
+        except ShardfmtError:
             raise
         except Exception as e:  # noqa: BLE001 - every client failure becomes one typed error
             raise translate_error(self.url(path), e, what) from None
@@ -389,8 +399,18 @@ class FsspecStorage:
         return sorted({posixpath.basename(str(p).rstrip("/")) for p in entries} - {""})
 
     def remove_tree(self, path: str) -> None:
+        """Remove every object under ``path`` (listed literally: never a glob) and ``path`` itself."""
+        keys = [self.join(path, rel) for rel in self.list_tree(path)]
         try:
-            self.fs.rm(path, recursive=True)
+            if keys:
+                self.fs.rm(keys)
+            if self.fs.isfile(path):
+                self.fs.rm_file(path)
+            elif not self.object_store:  # real directories: remove them too, deepest first
+                dirs = [d for d, info in self.fs.find(path, withdirs=True, detail=True).items()
+                        if info.get("type") == "directory"]
+                for d in sorted(dirs, key=lambda d: -d.count("/")) + ([path] if self.fs.isdir(path) else []):
+                    self.fs.rmdir(d)
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001
@@ -403,13 +423,45 @@ class FsspecStorage:
     def exchange(self, a: str, b: str) -> None:
         raise StorageError(f"{self.url(a)}: this storage has no atomic exchange")
 
+    def take_lease(self, path: str) -> None:
+        """Take the lease on ``path`` for a save: create its LEASE object only if absent."""
+        try:
+            self.write_bytes(self.join(path, LEASE_NAME), orjson.dumps(dict(lease_identity(), time=time.time())),
+                             exclusive=True)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{self.url(path)}: another save started here at the same time") from None
+
     def touch(self, path: str) -> None:
         """Refresh the lease of the save writing under ``path`` (its LEASE object)."""
-        body = orjson.dumps({"host": os.uname().nodename, "pid": os.getpid(), "time": time.time()})
         try:
-            self.write_bytes(self.join(path, LEASE_NAME), body)
+            self.write_bytes(self.join(path, LEASE_NAME), orjson.dumps(dict(lease_identity(), time=time.time())))
         except StorageError:
             pass  # a missed heartbeat shortens the lease; the save itself reports real failures
+
+    def list_tree(self, path: str) -> list[str]:
+        """Every object under ``path``, as paths relative to it."""
+        base = path.rstrip("/") + "/"
+        try:
+            found = self.fs.find(path)
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001
+            raise translate_error(self.url(path), e, "list") from None
+        self.stats.add_read(0)
+        return sorted(str(f)[len(base):] for f in found if str(f).startswith(base))
+
+    def check_bucket(self, path: str) -> None:
+        """Raise a StorageError naming ``path`` unless its bucket exists and answers (S3)."""
+        if not self.multipart:
+            return
+        bucket = self.fs.split_path(path)[0]
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except PermissionError as e:
+            raise translate_error(self.url(path), e, "look up the bucket") from None
+        except Exception as e:  # noqa: BLE001
+            raise StorageError(f"{self.url(path)}: the bucket {bucket!r} does not exist or cannot be reached "
+                               f"({type(e).__name__}: {e})") from None
 
     def mtime(self, path: str) -> float:
         """The lease time of ``path``: its LEASE object's, else its newest object's LastModified."""
@@ -453,6 +505,15 @@ class FsspecStorage:
                    Bucket=bucket, Key=key, UploadId=upload_id)
 
 
+def lease_identity() -> dict:
+    """Who holds a lease: host, pid namespace and pid (a pid means something only within both)."""
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"host": os.uname().nodename, "pidns": pidns, "pid": os.getpid()}
+
+
 def _info_time(info: dict) -> float:
     t = info.get("LastModified") or info.get("mtime") or info.get("created")
     if t is None:
@@ -477,17 +538,23 @@ def fsspec_storage(url: str, storage_options: dict | None = None) -> tuple[Fsspe
     import fsspec
 
     opts = dict(storage_options or {})
-    part_size = int(opts.pop("part_size", S3_PART_SIZE))
-    concurrency = int(opts.pop("write_concurrency", S3_WRITE_CONCURRENCY))
-    if part_size < 5 << 20 or concurrency < 1:
-        raise StorageError(f"{url}: part_size must be >= 5 MiB and write_concurrency >= 1 "
-                           f"(got {part_size}, {concurrency})")
+    part_size, concurrency = opts.pop("part_size", S3_PART_SIZE), opts.pop("write_concurrency", S3_WRITE_CONCURRENCY)
+    lease = opts.pop("lease_seconds", OBJECT_STORE_LEASE_SECONDS)
+    if not (type(part_size) is int and part_size >= 5 << 20 and type(concurrency) is int and concurrency >= 1
+            and isinstance(lease, (int, float)) and lease > 0):
+        raise StorageError(f"{url}: storage option part_size must be an integer >= 5 MiB (5242880), "
+                           f"write_concurrency an integer >= 1, lease_seconds a positive number "
+                           f"(got {part_size!r}, {concurrency!r}, {lease!r})")
     protocol = url.split("://", 1)[0]
+    if protocol in OBJECT_STORE_PROTOCOLS and any(c in url for c in "*?[]"):
+        raise StorageError(f"{url}: '*', '?', '[' and ']' are not allowed in object-store paths (fsspec would "
+                           "expand them as patterns)")
     try:
         fs, path = fsspec.core.url_to_fs(url, **_with_defaults(protocol, opts))
     except (ImportError, ValueError, TypeError) as e:
         raise StorageError(f"{url}: no storage backend ({e})") from None
     st = FsspecStorage(fs, part_size=part_size, write_concurrency=concurrency)
+    st.lease_seconds = float(lease)
     if st.protocol == "memory" and not path.startswith("/"):
         path = "/" + path
     return st, path.rstrip("/")

@@ -12,12 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .commit import is_save_leftover
 from .errors import CheckpointNotFoundError, ShardfmtError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME
+from .manifest import COMMITTED_NAME, MANIFEST_NAME, QUARANTINED_NAME
 from .retention import lease_expired, parse_step_dir
 from .storage import Storage
-
-QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a checkpoint aside; they mark it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +76,9 @@ def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dic
 def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
     """Every ``step_*`` under ``root``, oldest first, with its status."""
     if not storage.exists(root):
+        check = getattr(storage, "check_bucket", None)
+        if check is not None:
+            check(root)  # an empty root is fine; a misspelled bucket is an error, not "no checkpoints"
         return []
     out = []
     for name in storage.listdir(root):
@@ -106,6 +108,8 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
             try:
                 if not storage.atomic_rename and storage.exists(storage.join(path, COMMITTED_NAME)):
                     dead[name] = False  # committed: retention's business, never gc's
+                elif not storage.atomic_rename and not is_save_leftover(storage, path):
+                    dead[name] = False  # not what a save writes: not ours to remove
                 else:
                     dead[name] = lease_expired(storage.mtime(path), now, lease)
             except ShardfmtError:

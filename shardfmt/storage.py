@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .errors import CheckpointNotFoundError, StorageError
+from .errors import CheckpointNotFoundError, IntegrityError, StorageError
 
 
 @dataclass
@@ -114,6 +114,8 @@ class Storage(Protocol):
     def touch(self, path: str) -> None: ...
     def mtime(self, path: str) -> float: ...
     def drop_lease(self, path: str) -> None: ...
+    def take_lease(self, path: str) -> None: ...
+    def list_tree(self, path: str) -> list[str]: ...
 
 
 def _storage_error(path: str, e: OSError, what: str) -> StorageError:
@@ -234,8 +236,8 @@ class _LocalReader:
             while bufs:
                 n = os.preadv(self._fd, bufs[:1024], offset + got)
                 if n == 0:
-                    raise StorageError(f"{self._path}: unexpected end of file at byte {offset + got} "
-                                       f"(wanted {want} bytes from {offset})")
+                    raise IntegrityError(f"{self._path}: unexpected end of file at byte {offset + got} "
+                                         f"(wanted {want} bytes from {offset}; truncated?)")
                 got += n
                 while bufs and n >= len(bufs[0]):
                     n -= len(bufs[0])
@@ -354,6 +356,15 @@ class LocalStorage:
     def drop_lease(self, path: str) -> None:
         pass  # the lease is the directory's mtime
 
+    def take_lease(self, path: str) -> None:
+        pass  # a staging dir is the save's own (its name holds the save id)
+
+    def list_tree(self, path: str) -> list[str]:
+        out = []
+        for d, _, files in os.walk(path):
+            out += [os.path.relpath(os.path.join(d, f), path) for f in files]
+        return sorted(out)
+
     def sync_dir(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -377,10 +388,14 @@ def get_storage(url: str, storage_options: dict | None = None) -> tuple[Storage,
     if not isinstance(url, (str, os.PathLike)):
         raise StorageError(f"checkpoint path must be a string or path, got {type(url).__name__}")
     url = os.fspath(url)
-    if "://" not in url:
-        return LocalStorage(), os.path.abspath(url)
-    if url.startswith("file://"):
-        return LocalStorage(), os.path.abspath(url[len("file://"):])
+    if "://" not in url or url.startswith("file://"):
+        local = LocalStorage()
+        lease = (storage_options or {}).get("lease_seconds")
+        if lease is not None:
+            if not isinstance(lease, (int, float)) or lease <= 0:
+                raise StorageError(f"{url}: storage option lease_seconds must be a positive number, got {lease!r}")
+            local.lease_seconds = float(lease)
+        return local, os.path.abspath(url[len("file://"):] if url.startswith("file://") else url)
     from .objstore import fsspec_storage
 
     return fsspec_storage(url, storage_options)

@@ -143,20 +143,22 @@ def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
     root = f"{bucket}/cli"
     shardfmt.save(_state(rows=64), f"{root}/step_000000001", step=1)
     fs = _fs(server)
-    fs.pipe_file(f"{root[5:]}/step_000000002/data/rank_00000.safetensors", b"torn")  # an orphan, no LEASE
+    fs.pipe_file(f"{root[5:]}/step_000000002/data/rank_00000.safetensors", b"torn")  # a dead save's orphan
+    fs.pipe_file(f"{root[5:]}/step_000000002/LEASE", b"{}")
+    fs.pipe_file(f"{root[5:]}/step_000000003/notes.txt", b"mine")  # not what a save writes: never collected
     assert shardfmt_main(["validate", "--deep", f"{root}/step_000000001"]) == 0
     assert shardfmt_main(["inspect", f"{root}/step_000000001"]) == 0
     assert "world size 1" in capsys.readouterr().out
     assert shardfmt_main(["ls", "--json", root]) == 0
     rows = {r["name"]: r["status"] for r in __import__("orjson").loads(capsys.readouterr().out)}
-    assert rows == {"step_000000001": "committed", "step_000000002": "incomplete"}
+    assert rows == {"step_000000001": "committed", "step_000000002": "incomplete"}  # step 3: not a checkpoint
     assert shardfmt_main(["validate", f"{root}/step_000000002"]) == 1  # uncommitted: invalid
     capsys.readouterr()
     assert shardfmt_main(["gc", root]) == 0  # the orphan's objects are fresh: its lease holds
     assert "nothing to collect" in capsys.readouterr().out
     assert shardfmt_main(["gc", "--lease-seconds", "0", "--json", root]) == 0
     assert __import__("orjson").loads(capsys.readouterr().out)["removed"] == [f"{root}/step_000000002"]
-    assert fs.exists(f"{root[5:]}/step_000000001/COMMITTED")
+    assert fs.exists(f"{root[5:]}/step_000000001/COMMITTED") and fs.exists(f"{root[5:]}/step_000000003/notes.txt")
     assert not fs.exists(f"{root[5:]}/step_000000002/data/rank_00000.safetensors")
     assert shardfmt_main(["ls", root]) == 0 and "step_000000002" not in capsys.readouterr().out
     assert shardfmt_main(["validate", "--storage-options", '{"endpoint_url": "http://127.0.0.1:1"}',
@@ -210,13 +212,18 @@ def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server,
     fs = _fs(server)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    for name, holder in (("live", {"host": "another-node", "pid": 1}),
-                         ("dead", {"host": os.uname().nodename, "pid": dead.pid})):
+    from shardfmt.objstore import lease_identity
+
+    me = lease_identity()
+    for name, holder in (("live", dict(me, host="another-node", pid=1)),
+                         ("live-other-pidns", dict(me, pidns="pid:[1]", pid=dead.pid)),  # a container's
+                         ("dead", dict(me, pid=dead.pid))):
         fs.pipe_file(f"{bucket[5:]}/{name}/data/rank_00000.safetensors", b"partial")
         fs.pipe_file(f"{bucket[5:]}/{name}/LEASE", orjson.dumps(dict(holder, time=time.time())))
-    with pytest.raises(CheckpointExistsError, match="in progress"):  # maybe live: never overwritten
-        shardfmt.save({"x": torch.ones(2)}, f"{bucket}/live")
-    assert fs.exists(f"{bucket[5:]}/live/data/rank_00000.safetensors")
+    for live in ("live", "live-other-pidns"):
+        with pytest.raises(CheckpointExistsError, match="in progress"):  # maybe live: never overwritten
+            shardfmt.save({"x": torch.ones(2)}, f"{bucket}/{live}")
+        assert fs.exists(f"{bucket[5:]}/{live}/data/rank_00000.safetensors")
     shardfmt.save({"x": torch.ones(2)}, f"{bucket}/dead")  # a restarted job on the same node
     assert shardfmt.validate(f"{bucket}/dead").ok
 
@@ -305,6 +312,25 @@ def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
         storage.write_bytes(storage.join(path, "COMMITTED"),
                             CommitRecord(save_id="other", manifest_digest="x").to_json(), exclusive=True)
     assert C.is_committed(storage, path) and shardfmt.validate(url).ok
+    # two saves starting together: the LEASE is taken only if absent, so one of them stops at once
+    fresh = storage.join(path + "-b")
+    storage.take_lease(fresh)
+    with pytest.raises(CheckpointExistsError, match="at the same time"):
+        storage.take_lease(fresh)
+
+
+def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
+    """If a collector removed a save's objects under it, the save fails instead of committing."""
+    url = f"{bucket}/vanish/step_1"
+    fs = _fs(server)
+
+    def collector_strikes(step):
+        if step == "files_written":
+            fs.rm(fs.find(url[5:] + "/data"))
+
+    with pytest.raises(CommitError, match="vanished"):
+        shardfmt.save(_state(rows=64), url, _on_step=collector_strikes)
+    assert not fs.exists(url[5:] + "/COMMITTED")
 
 
 @pytest.fixture(scope="module")
@@ -402,3 +428,48 @@ def test_convert_to_s3_keeps_its_upload_buffers_inside_the_budget(server, bucket
     shardfmt.load(ref, src)
     shardfmt.load(back, dst)
     assert all(bytes_equal(back[k], ref[k]) for k in ref)
+
+
+def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
+    """Objects that are not a shardfmt save are refused, whatever their age; paths that fsspec
+    would expand as patterns, and a bucket's root, are refused before anything is written."""
+    fs = _fs(server)
+    fs.pipe_file(f"{bucket[5:]}/models/llama/weights.bin", b"precious")
+    with pytest.raises(CheckpointExistsError, match="not a shardfmt checkpoint"):
+        shardfmt.save({"x": torch.ones(2)}, f"{bucket}/models")
+    assert fs.cat_file(f"{bucket[5:]}/models/llama/weights.bin") == b"precious"
+    shardfmt.save({"x": torch.ones(2)}, f"{bucket}/exp1")
+    for bad in (f"{bucket}/exp[12]", f"{bucket}/exp*", bucket):
+        with pytest.raises(StorageError):
+            shardfmt.save({"x": torch.ones(2)}, bad)
+    assert shardfmt.validate(f"{bucket}/exp1").ok and fs.exists(f"{bucket[5:]}/models/llama/weights.bin")
+    with pytest.raises(StorageError, match="part_size"):
+        shardfmt.save({"x": torch.ones(2)}, f"{bucket}/y", storage_options={"part_size": "8MiB"})
+    with pytest.raises(StorageError, match="bucket"):  # a misspelled bucket is not "no checkpoints yet"
+        shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({})
+
+
+def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):
+    import shardfmt.objstore as O
+
+    root = f"{bucket}/flaky-restore"
+    ck = shardfmt.Checkpointer(root)
+    for step in (1, 2):
+        ck.save(step, {"m": torch.nn.Linear(4, 4)})
+
+    def throttled(self, offset, buffers):
+        raise StorageError(f"{self._st.url(self._path)}: read failed: SlowDown (503)")
+
+    monkeypatch.setattr(O._Reader, "readinto", throttled)
+    with pytest.raises(StorageError, match="nothing was quarantined"):
+        ck.restore({"m": torch.nn.Linear(4, 4)})
+    monkeypatch.undo()
+    assert [(i.step, i.status) for i in ck.list()] == [(1, "committed"), (2, "committed")]
+    assert ck.restore({"m": torch.nn.Linear(4, 4)}) == 2
+
+
+def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
+    ck = shardfmt.Checkpointer(f"{bucket}/lease", lease_seconds=8)
+    assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
+    storage, _ = shardfmt.storage.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
+    assert storage.lease_seconds == 8  # what save() builds from the same options: heartbeat every 2 s
