@@ -89,7 +89,7 @@ import time
 from common import (
     MIB,
     ROOT,
-    RSSSampler,
+    WorkerCtx,
     cached_fraction,
     code_fingerprint,
     dir_bytes,
@@ -226,26 +226,7 @@ def install_profiler() -> None:
 # ----------------------------------------------------------------------------- worker
 
 
-class Ctx:
-    def __init__(self, rank: int, world: int, args: dict, distributed: bool) -> None:
-        self.rank = rank
-        self.world = world
-        self.args = args
-        self.distributed = distributed
-        self.sampler = RSSSampler(args.get("sample_interval", 0.002))
-        self.records: list[dict] = []
-        self.label = args["label"]
-
-    def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def say(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[{self.label}] {msg}", flush=True)
-
+class Ctx(WorkerCtx):
     def measure(self, scenario: str, method: str, rep: int, fn, *, share: int, setup=None,
                 cold: list[str] | None = None) -> dict:
         if setup is not None:

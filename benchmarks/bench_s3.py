@@ -79,7 +79,7 @@ import uuid
 from common import (
     MIB,
     ROOT,
-    RSSSampler,
+    WorkerCtx,
     code_fingerprint,
     drop_cache,
     launch,
@@ -276,23 +276,10 @@ def ckpt_path(args: dict, storage: str, method: str, name: str) -> str:
 # ----------------------------------------------------------------------------- worker
 
 
-class Ctx:
+class Ctx(WorkerCtx):
     def __init__(self, rank: int, world: int, args: dict, distributed: bool) -> None:
-        self.rank, self.world, self.args, self.distributed = rank, world, args, distributed
-        self.sampler = RSSSampler(0.002)
-        self.records: list[dict] = []
-        self.label = args["label"]
+        super().__init__(rank, world, args, distributed)
         self.endpoint = args["endpoint"]
-
-    def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def say(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[{self.label}] {msg}", flush=True)
 
     def measure(self, scenario: str, storage: str, method: str, rnd: int, fn, *, kind: str,
                 cold: str | None = None) -> dict:

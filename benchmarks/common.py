@@ -309,6 +309,26 @@ def code_fingerprint(dirs=("shardfmt", "reshard")) -> str:
     return h.hexdigest()
 
 
+class WorkerCtx:
+    """One benchmark rank's context: its RSS sampler, its records, a barrier and rank-0 logging."""
+
+    def __init__(self, rank: int, world: int, args: dict, distributed: bool) -> None:
+        self.rank, self.world, self.args, self.distributed = rank, world, args, distributed
+        self.sampler = RSSSampler(args.get("sample_interval", 0.002))
+        self.records: list[dict] = []
+        self.label = args["label"]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[{self.label}] {msg}", flush=True)
+
+
 def run_worker(argv: list[str], jobs: dict, make_ctx, *, setup=None) -> None:
     """A benchmark rank's process: ``argv`` = JOB RANK WORLD PORT ARGS_JSON (see ``launch``).
 

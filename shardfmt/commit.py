@@ -122,30 +122,28 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
 _SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME)
 
 
-def is_save_leftover(storage: Storage, path: str) -> bool:
-    """Whether the uncommitted prefix ``path`` holds only what a shardfmt save writes, LEASE
-    included (taken before its first data byte): anything else is not ours to remove."""
-    names = storage.list_tree(path)
+def is_save_leftover(storage: Storage, path: str, names: list[str] | None = None) -> bool:
+    """Whether the uncommitted prefix ``path`` (holding ``names``, listed if not given) holds
+    only what a shardfmt save writes, LEASE included (taken before its first data byte):
+    anything else is not ours to remove."""
+    names = storage.list_tree(path) if names is None else names
     return LEASE_NAME in names and all(
         n in _SAVE_NAMES or (n.startswith(DATA_DIR + "/") and n.endswith(".safetensors")
                              and "/" not in n[len(DATA_DIR) + 1:]) for n in names)
 
 
-def lease_age(storage: Storage, path: str, now: float) -> float:
-    return now - storage.mtime(path)
-
-
 def _clear_leftover(storage: Storage, path: str, *, overwrite: bool, lease: float, now: float) -> None:
     """Object stores: remove a dead save's leftover at ``path``; refuse a live save's or anything else."""
-    if not is_save_leftover(storage, path):
-        if not storage.list_tree(path):
-            return
+    names = storage.list_tree(path)
+    if not names:
+        return
+    if not is_save_leftover(storage, path, names):
         if not overwrite:
             raise CheckpointExistsError(
                 f"{storage.url(path)}: holds objects that are not a shardfmt checkpoint; refusing to replace "
                 "them (pass overwrite=True / --overwrite)")
     else:
-        age = lease_age(storage, path, now)
+        age = now - storage.mtime(path)
         if age <= lease and not _holder_is_dead(storage, path):
             raise CheckpointExistsError(
                 f"{storage.url(path)}: another save is in progress there (its lease was refreshed "

@@ -99,28 +99,27 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
     if not storage.exists(root):
         return []
     removed: list[str] = []
-    dead: dict[str, bool] = {}
+    states: dict[str, str] = {}
 
-    def is_dead(name: str) -> bool:
-        """Whether what lies under ``root/name`` belongs to no live save."""
-        if name not in dead:
+    def state(name: str) -> str:
+        """What lies under ``root/name``: "committed", "dead" (a dead save's) or "keep"."""
+        if name not in states:
             path = storage.join(root, name)
             try:
                 if not storage.atomic_rename and storage.exists(storage.join(path, COMMITTED_NAME)):
-                    dead[name] = False  # committed: retention's business, never gc's
+                    states[name] = "committed"  # retention's business, never gc's
                 elif not storage.atomic_rename and not is_save_leftover(storage, path):
-                    dead[name] = False  # not what a save writes: not ours to remove
+                    states[name] = "keep"  # not what a save writes: not ours to remove
                 else:
-                    dead[name] = lease_expired(storage.mtime(path), now, lease)
+                    states[name] = "dead" if lease_expired(storage.mtime(path), now, lease) else "keep"
             except ShardfmtError:
-                dead[name] = False
-        return dead[name]
+                states[name] = "keep"
+        return states[name]
 
     for name in storage.listdir(root):
-        staging = ".tmp-" in name
-        if not staging and not (parse_step_dir(name) is not None and not storage.atomic_rename):
+        if ".tmp-" not in name and not (parse_step_dir(name) is not None and not storage.atomic_rename):
             continue
-        if not is_dead(name):
+        if state(name) != "dead":
             continue
         path = storage.join(root, name)
         try:
@@ -130,22 +129,14 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
         except ShardfmtError:
             continue
     # Uploads a dead save began and never completed (invisible, but stored and billed): the
-    # checkpoint they belong to is judged by its lease, not by the upload's own start time.
+    # checkpoint they belong to is judged by its lease, not by the upload's own start time;
+    # under a committed checkpoint the save is over, so its leftover uploads go too.
     list_uploads = getattr(storage, "list_uploads", None)
     for upload_path, upload_id, _started in (list_uploads(root) if list_uploads else []):
-        rel = upload_path[len(root.rstrip("/")) + 1:]
-        name = rel.split("/", 1)[0]
-        live = not is_dead(name) and not _committed(storage, root, name)  # a committed save is over
-        if live:
+        name = upload_path[len(root.rstrip("/")) + 1:].split("/", 1)[0]
+        if state(name) == "keep":
             continue
         if not dry_run:
             storage.abort_upload(upload_path, upload_id)
         removed.append(f"{storage.url(upload_path)} (incomplete multipart upload)")
     return removed
-
-
-def _committed(storage: Storage, root: str, name: str) -> bool:
-    try:
-        return storage.exists(storage.join(root, name, COMMITTED_NAME))
-    except ShardfmtError:
-        return False
