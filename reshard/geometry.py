@@ -205,6 +205,65 @@ def _split_large(span: Span, cap: int, itemsize: int, strides: tuple[int, ...]) 
         i += k
 
 
+def block_end(lengths: Sequence[int], strides: Sequence[int], itemsize: int, start: int) -> int:
+    """Return one past the last byte of a strided block whose first element sits at ``start``."""
+    if any(n == 0 for n in lengths):
+        return start
+    return start + sum((n - 1) * s for n, s in zip(lengths, strides)) * itemsize + itemsize
+
+
+def split_block(lengths: Sequence[int], strides: Sequence[int], itemsize: int, start: int,
+                cut: int) -> tuple[list[Box], list[Box]] | None:
+    """Split a strided block at byte ``cut``: the sub-boxes that end at or before it, and those
+    that start at or after it.
+
+    The block holds ``lengths`` elements with element ``strides`` (outer strides at least the
+    inner extent, as in a row-major array); its first element sits at byte ``start``. Boxes
+    are in coordinates relative to the block and together hold each element exactly once
+    (at most two per dimension). None when ``cut`` falls inside an element.
+    """
+    before: list[Box] = []
+    after: list[Box] = []
+    ndim = len(lengths)
+    if any(n == 0 for n in lengths):
+        return before, after
+
+    def go(offs: tuple[int, ...], lens: tuple[int, ...], first: int) -> bool:
+        end = block_end(lens, strides, itemsize, first)
+        if end <= cut:
+            before.append(Box(offs, lens))
+            return True
+        if first >= cut:
+            after.append(Box(offs, lens))
+            return True
+        d = next((k for k in range(ndim) if lens[k] > 1), None)
+        if d is None:
+            return False  # one element straddles the cut
+        step = strides[d] * itemsize
+        inner = block_end(lens[d + 1:], strides[d + 1:], itemsize, 0)  # bytes of one slab along d
+        n = lens[d]
+        done = min(n, max(0, (cut - first - inner) // step + 1))  # slabs ending at or before cut
+        later = min(n, max(0, -(-(cut - first) // step)))  # first slab starting at or after cut
+
+        def sub(i: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+            return (offs[:d] + (offs[d] + i,) + offs[d + 1:], lens[:d] + (k,) + lens[d + 1:], first + i * step)
+
+        if done:
+            o, ln, _ = sub(0, done)
+            before.append(Box(o, ln))
+        for i in range(done, later):  # at most one slab straddles the cut
+            if not go(*sub(i, 1)):
+                return False
+        if later < n:
+            o, ln, _ = sub(later, n - later)
+            after.append(Box(o, ln))
+        return True
+
+    if not go((0,) * ndim, tuple(lengths), start):
+        return None
+    return before, after
+
+
 def tiling_problems(boxes: Sequence[Box], region: Box, *, limit: int = 20) -> list[str]:
     """Return why ``boxes`` do not tile ``region`` exactly (empty list: they do).
 

@@ -26,10 +26,12 @@ from shardfmt.manifest import Manifest, ShardRecord
 from .geometry import (
     Box,
     ByteRange,
+    block_end,
     box_spans,
     intersect,
     is_run,
     row_major_strides,
+    split_block,
     tiling_problems,
 )
 
@@ -57,6 +59,7 @@ class CopyItem:
     src_lengths: tuple[int, ...]
     src_strides: tuple[int, ...]
     dst_offsets: tuple[int, ...]
+    itemsize: int
 
     @property
     def numel(self) -> int:
@@ -195,6 +198,7 @@ def plan_load(
                     src_strides=strides,
                     dst_offsets=tuple(shard.offsets[d] + span.box.offsets[d] - t.box.offsets[d]
                                       for d in range(t.box.ndim)),
+                    itemsize=isz,
                 ))
     if one_group_per_file:
         for fname, is_bounce in list(per_file):
@@ -223,15 +227,68 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
     out: list[PhysicalRead] = []
     cur: list[CopyItem] = []
     cur_start = cur_end = 0
+
+    def close(upto: int | None = None) -> None:
+        nonlocal cur, cur_start, cur_end
+        end = cur_end if upto is None else upto
+        out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, end),
+                                items=tuple(sorted(cur, key=lambda i: (i.src_start, i.src_end)))))
+
     for it in items:
         s, e = outer(it)
         if cur and s - cur_end <= max_gap and max(e, cur_end) - cur_start <= max_read:
             cur.append(it)
             cur_end = max(cur_end, e)
             continue
+        carried: list[CopyItem] = []
+        if cur and verify and s < cur_end:
+            # ``it`` shares a hash chunk with the read being closed: end that read at the chunk
+            # boundary before ``it`` instead, moving what lies past the boundary to the next
+            # read, so no chunk is read (and hashed) twice.
+            cut = (it.src_start // chunk) * chunk
+            kept = _cut_items(cur, cut) if cut > cur_start else None
+            if kept is not None:
+                cur, carried = kept
+                close(upto=cut)
+                cur = []
         if cur:
-            out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, cur_end), items=tuple(cur)))
-        cur, cur_start, cur_end = [it], s, e
+            close()
+        cur = carried + [it]
+        bounds = [outer(i) for i in cur]
+        cur_start = min(b[0] for b in bounds)
+        cur_end = max(b[1] for b in bounds)
     if cur:
-        out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, cur_end), items=tuple(cur)))
+        close()
     return out
+
+
+def _cut_items(items: list[CopyItem], cut: int) -> tuple[list[CopyItem], list[CopyItem]] | None:
+    """Split ``items`` into copies that read only bytes before ``cut`` and copies that read only
+    bytes at or after it (an item straddling ``cut`` becomes several). None when a cut falls
+    inside an element (an unaligned tensor in a file from another writer)."""
+    before: list[CopyItem] = []
+    after: list[CopyItem] = []
+    for it in items:
+        if it.src_end <= cut:
+            before.append(it)
+            continue
+        if it.src_start >= cut:
+            after.append(it)
+            continue
+        isz = it.itemsize
+        parts = split_block(it.src_lengths, it.src_strides, isz, it.src_start, cut)
+        if parts is None:
+            return None
+        for boxes, into in zip(parts, (before, after)):
+            for b in boxes:
+                first = it.src_start + sum(o * st for o, st in zip(b.offsets, it.src_strides)) * isz
+                into.append(CopyItem(
+                    target=it.target,
+                    src_start=first,
+                    src_end=block_end(b.lengths, it.src_strides, isz, first),
+                    src_lengths=b.lengths,
+                    src_strides=it.src_strides,
+                    dst_offsets=tuple(d + o for d, o in zip(it.dst_offsets, b.offsets)),
+                    itemsize=isz,
+                ))
+    return before, after

@@ -320,7 +320,7 @@ def load(
         max_gap = ckpt.storage.max_gap  # larger where a request costs a round trip (object stores)
     workers = max(workers, min(ckpt.storage.read_concurrency, 16)) if ckpt.storage.object_store else workers
     plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce,
-                     max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size,
+                     max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size, workers=workers,
                                                        object_store=ckpt.storage.object_store))
     before = ckpt.storage.stats.snapshot()
     if verify:
@@ -371,14 +371,19 @@ def _rank_and_world(rank: int | None, process_group) -> tuple[int, int]:
 
 
 def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chunk: int, *,
-                      object_store: bool = False) -> int:
-    """Bounce reads of 1/32 of the rank's share: a read rounded out to whole chunks re-reads at
-    most one chunk it shares with the next, so larger reads waste less, while the per-worker
-    buffers stay a few percent of what the rank loads. 8-32 MiB on local disk; 16-64 MiB on
-    object stores, where each read is a round trip (fewer GETs, larger buffers)."""
+                      workers: int, object_store: bool = False) -> int:
+    """The largest read through a bounce buffer (each worker keeps one that large).
+
+    Local disk: 8 MiB, less for a small share, so that the workers' buffers together stay
+    under 1/16 of what the rank loads (the planner cuts verified reads at chunk boundaries,
+    so smaller reads re-read nothing). Object stores: 16-64 MiB (1/32 of the share), since
+    every read is a round trip."""
     share = sum(t.box.numel * dsts[t.index].element_size() for t in targets)
-    lo = 2 * DEFAULT_MAX_BOUNCE_READ if object_store else DEFAULT_MAX_BOUNCE_READ
-    size = min(max(share // 32, lo), 4 * lo)
+    if object_store:
+        lo = 2 * DEFAULT_MAX_BOUNCE_READ
+        size = min(max(share // 32, lo), 4 * lo)
+    else:
+        size = min(DEFAULT_MAX_BOUNCE_READ, share // (16 * max(1, workers)))
     return max(chunk, size // chunk * chunk)
 
 

@@ -290,7 +290,6 @@ def async_save(
     """
     from .distributed import (
         Prepared,
-        _err_payload,
         control_group,
         in_distributed_job,
         prepare,
@@ -335,8 +334,10 @@ def async_save(
     stager.inflight = handle
     _LIVE.add(handle)
 
+    snap: Prepared | None = None
+
     def snapshot() -> None:
-        """Copy into the stager; a failure becomes an error payload, so every rank's save fails."""
+        """Copy into the stager; a failure is kept for the save, which then fails on every rank."""
         nonlocal snap
         try:
             staged, wait_copies = stager.copy(prepared.tensors())
@@ -345,14 +346,15 @@ def async_save(
         except Exception as e:  # noqa: BLE001 - e.g. out of (pinned) memory
             handle._stage_error = StateDictError(f"{path}: snapshot into host memory failed: "
                                                  f"{type(e).__name__}: {e}")
-            snap = Prepared(rank, {}, _err_payload(rank, handle._stage_error))
         finally:
             handle.staged_seconds = time.perf_counter() - t0
             handle._staged.set()
 
-    snap = None
-    if stage == "call":
-        snapshot()
+    def staged() -> Prepared:
+        handle._staged.wait()
+        if handle._stage_error is not None:
+            raise handle._stage_error
+        return snap
 
     kwargs = dict(step=step, metadata=metadata, overwrite=overwrite, storage_options=storage_options,
                   chunk_size=chunk_size, sync=sync, mesh=mesh, check_replicas=check_replicas,
@@ -362,9 +364,8 @@ def async_save(
 
     def work() -> None:
         try:
-            if snap is None:
-                snapshot()
-            manifest = run_save(snap, path, group=group, **kwargs)
+            # The plan's collectives and the staging need no data: they run while the copy does.
+            manifest = run_save(prepared, path, group=group, _snapshot=staged, **kwargs)
             if on_commit is not None:
                 on_commit(manifest)
             handle._manifest = manifest
@@ -375,13 +376,17 @@ def async_save(
                 handle._error = CommitError(f"{path}: async save failed: {type(e).__name__}: {e}")
                 handle._error.__cause__ = e
         finally:
+            handle._staged.wait()  # done only once nothing copies into the stager any more
             handle.total_seconds = time.perf_counter() - t0
-            handle._staged.set()
             handle._done.set()
 
-    # Not a daemon: the interpreter waits for an in-flight save before it exits.
+    # Not daemons: the interpreter waits for an in-flight save before it exits.
     handle._thread = threading.Thread(target=work, name="shardfmt-async-save", daemon=False)
     handle._thread.start()
+    if stage == "call":
+        snapshot()
+    else:
+        threading.Thread(target=snapshot, name="shardfmt-async-stage", daemon=False).start()
     handle.blocked_seconds = time.perf_counter() - t0
     return handle
 

@@ -21,7 +21,7 @@ frozen rank surfaces as an error within it rather than a hang.
 from __future__ import annotations
 
 import datetime as _dt
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,8 +365,14 @@ def run_save(
     _clock=None,
     _writer_versions: Mapping[str, str] | None = None,
     _on_step=None,
+    _snapshot: Callable[[], Prepared] | None = None,
 ):
-    """Steps 2-7 of the protocol on ``group`` (None: a world of one, no collectives)."""
+    """Steps 2-7 of the protocol on ``group`` (None: a world of one, no collectives).
+
+    ``_snapshot`` (async saves) returns the tensors to write, as ``prepared`` over other
+    tensors; it is called only once the plan is agreed and the checkpoint staged, so that
+    work needs no data and overlaps the copy. A failure it raises fails the save on every rank.
+    """
     from .storage import get_storage
 
     rank, world = _rank_world(group)
@@ -375,12 +381,13 @@ def run_save(
         storage, path = get_storage(path, storage_options)
 
     # 1-2) gather the descriptions
-    held = prepared.held
+    if check_replicas and _snapshot is not None:  # the digests need the data
+        prepared, _snapshot = _snapshot(), None
     payload = prepared.desc
     if check_replicas and payload.get("ok"):
         payload = {**payload, "replica_digests": {
             f"{h.fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
-            for h in held.values() for box, data in h.pieces}}
+            for h in prepared.held.values() for box, data in h.pieces}}
     blobs = _collective(lambda: _gather(orjson.dumps(payload), group), "gathering save plans", rank)
     descs = [orjson.loads(b) for b in blobs]
     _raise_from(descs, "describing the state")
@@ -389,9 +396,6 @@ def run_save(
 
     # 3) the write plan, identical on every rank
     writers = assign_writers(descs)
-    mine = [ShardData(fqn=h.fqn, data=data, global_shape=h.shape, offsets=box.offsets, placement=h.placement)
-            for h in held.values() for box, data in h.pieces
-            if writers[(h.fqn, box.offsets, box.lengths)] == rank]
     storage_names = {t["fqn"] for d in descs for t in d["tensors"] if t.get("storage")}
 
     # 4) rank 0 stages
@@ -413,6 +417,11 @@ def run_save(
 
     # 5) every rank writes its file
     try:
+        if _snapshot is not None:
+            prepared = _snapshot()
+        mine = [ShardData(fqn=h.fqn, data=data, global_shape=h.shape, offsets=box.offsets, placement=h.placement)
+                for h in prepared.held.values() for box, data in h.pieces
+                if writers[(h.fqn, box.offsets, box.lengths)] == rank]
         if mine and rank != 0:
             written = write_shard_file(storage, status["staging"], _file_name(rank), rank,
                                        _ordered(mine), chunk_size=chunk_size, sync=sync,

@@ -221,3 +221,30 @@ def test_plan_copies_every_target_element_once_from_its_source(case):
         else:
             assert plan.bytes_to_read == plan.needed_bytes, (
                 f"unverified, gap-free plan reads {plan.bytes_to_read} bytes for {plan.needed_bytes} needed")
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_split_block_puts_every_element_on_its_side_of_the_cut_once(data):
+    from reshard.geometry import block_end, row_major_strides, split_block
+
+    shape = data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=4).map(tuple))
+    sub = data.draw(sub_box(shape))
+    isz = data.draw(st.sampled_from([1, 2, 4, 8]))
+    strides = row_major_strides(shape)
+    start = sum(o * s for o, s in zip(sub.offsets, strides)) * isz
+    end = block_end(sub.lengths, strides, isz, start)
+    cut = data.draw(st.integers(start - 2, end + 2))
+    got = split_block(sub.lengths, strides, isz, start, cut)
+    if got is None:  # only when the cut falls strictly inside an element
+        assert (cut - start) % isz and start < cut < end
+        return
+    seen = np.zeros(sub.lengths, dtype=np.int64)
+    for boxes, side in zip(got, ("before", "after")):
+        for b in boxes:
+            assert not b.is_empty() and Box.full(sub.lengths).contains(b)
+            first = start + sum(o * s for o, s in zip(b.offsets, strides)) * isz
+            last = block_end(b.lengths, strides, isz, first)
+            assert (last <= cut) if side == "before" else (first >= cut), (side, b, first, last, cut)
+            seen[b.slices()] += 1
+    assert seen.size == 0 or (seen.min() == 1 and seen.max() == 1)
