@@ -153,6 +153,9 @@ class _Reader:
                     raise
                 time.sleep(0.2 * 2 ** attempt)  # transient transfer errors: retried, then reported
 
+    def prefetch(self, offset: int, length: int) -> None:
+        """No read-ahead hint on object stores: each read is one request already."""
+
     def close(self) -> None:
         pass
 

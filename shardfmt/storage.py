@@ -82,6 +82,7 @@ class FileWriter(Protocol):
 class FileReader(Protocol):
     size: int
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None: ...
+    def prefetch(self, offset: int, length: int) -> None: ...  # a hint: start fetching, do not wait
     def close(self) -> None: ...
 
 
@@ -247,6 +248,13 @@ class _LocalReader:
         except OSError as e:
             raise _storage_error(self._path, e, "read") from None
         self._stats.add_read(want)
+
+    def prefetch(self, offset: int, length: int) -> None:
+        """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait)."""
+        try:
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
 
     def close(self) -> None:
         os.close(self._fd)

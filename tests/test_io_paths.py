@@ -63,3 +63,46 @@ def test_contiguous_targets_are_read_in_place(tmp_path):
     ptr = target.data_ptr()
     shardfmt.load({"w": target}, str(tmp_path / "c"))
     assert target.data_ptr() == ptr and torch.equal(target, w)
+
+
+def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
+    """The executor asks the storage to fetch upcoming reads (POSIX_FADV_WILLNEED locally):
+    each read is hinted once, before it starts, never more than the window ahead of it,
+    and nearby reads of one file are hinted as one range."""
+    from reshard.executor import _ReadAhead
+    from reshard.geometry import ByteRange
+    from reshard.planner import PhysicalRead
+
+    MiB = 1 << 20
+    reads = [PhysicalRead(file="a" if i < 6 else "b", byte_range=ByteRange(i * 8 * MiB, (i + 1) * 8 * MiB), items=())
+             for i in range(10)]
+    hinted: list[tuple[str, int, int]] = []
+
+    class Reader:
+        def __init__(self, name):
+            self.name = name
+
+        def prefetch(self, offset, length):
+            hinted.append((self.name, offset, offset + length))
+
+    class Readers:
+        from reshard.executor import _Readers
+        prefetch = _Readers.prefetch
+
+        def get(self, name):
+            return Reader(name)
+
+    ahead = _ReadAhead(reads, Readers(), window=20 * MiB)
+    covered = set()
+    for k in range(len(reads)):
+        ahead.starting(k)
+        for f, s, e in hinted:
+            covered |= {i for i, r in enumerate(reads) if r.file == f and s <= r.byte_range.start < e}
+        assert k in covered, f"read {k} started before it was hinted"
+        assert max(covered) <= k + 2, f"hinted {max(covered)} while starting {k}: beyond the 20 MiB window"
+    assert covered == set(range(10))
+    spans = [(f, s, e) for f, s, e in hinted]
+    for i, (f, s, e) in enumerate(spans):  # no byte hinted twice
+        for g, s2, e2 in spans[i + 1:]:
+            assert f != g or e <= s2 or e2 <= s
+    assert len(hinted) < len(reads)  # adjacent reads of a file went as one hint
