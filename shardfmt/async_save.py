@@ -12,9 +12,13 @@
    host buffers. The buffers are allocated on the first save and reused by every later one
    (first-touch page faults make fresh memory 10-25x slower to fill than reused memory),
    pinned when the state is on CUDA, where the copies run non-blocking on a side stream.
-2) on a background thread: the save protocol of ``shardfmt.distributed`` over the snapshot,
-   on a gloo group of its own (never the training's collectives), then the commit. A save
-   counts only once committed: until then ``Checkpointer.latest()`` is the previous one.
+2) on a background thread, started before the copy: the save protocol of
+   ``shardfmt.distributed`` on a gloo group of its own (never the training's collectives).
+   Agreeing on the plan and staging the checkpoint need no data, so they run while the copy
+   does; writing then reads the snapshot. For CUDA states (``Stager(overlap=...)``) writing
+   starts on the pieces already copied while later ones are still in flight. Then the
+   commit. A save counts only once committed: until then ``Checkpointer.latest()`` is the
+   previous one.
 
 One save at a time per stager: staging memory is one copy of the rank's state. A save
 asked for while the previous one is still writing either waits for it (``policy="wait"``,
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import functools
 import logging
 import threading
 import time
@@ -59,10 +64,15 @@ class Stager:
     pinned by registering it with CUDA (``cudaHostRegister``), which pins exactly its size;
     PyTorch's pinned allocator would round every buffer up to a power of two (up to 2x the
     memory). Where registering is not possible, each piece is pinned on its own instead.
+
+    ``overlap``: whether a save's writer may start on pieces already copied while later ones
+    are still copying. None (default): only for CUDA states, whose copies are DMA; CPU copies
+    would compete with the writer for the same cores and lengthen the time the caller blocks.
     """
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, overlap: bool | None = None) -> None:
         self._pin = pin_memory
+        self.overlap = overlap
         self._buffers: list[torch.Tensor] = []
         self._layout: list[tuple] = []
         self._finalizer = None
@@ -100,11 +110,21 @@ class Stager:
         self._layout = []
 
     def copy(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Callable[[], None]]:
-        """Start copying ``tensors`` into the staging buffers; return them and a wait-for-copies function.
+        """Copy ``tensors`` into the staging buffers; return them and a wait-for-copies function.
 
         CPU sources are copied before this returns. CUDA sources are copied non-blocking on a
         side stream that first waits for the current stream (so it sees every queued write);
         the returned function blocks until those copies have landed.
+        """
+        staged = self.begin(tensors)
+        staged.run()
+        return staged.buffers, staged.wait
+
+    def begin(self, tensors: list[torch.Tensor]) -> StagedCopy:
+        """Allocate (or reuse) the buffers for ``tensors``; the copy starts with ``run()``.
+
+        The returned copy's ``ready(i)`` waits for buffer ``i`` alone, so a writer can start
+        on the first pieces while later ones are still being copied.
         """
         with self._lock:
             tensors = [_plain(t) for t in tensors]
@@ -112,22 +132,76 @@ class Stager:
             pin = bool(cuda) if self._pin is None else self._pin
             if [_sig(t, pin) for t in tensors] != self._layout:
                 self._allocate(tensors, pin)
-            event = None
+            stream = None
             if cuda:
                 device = cuda[0].device
                 if self._stream is None or self._stream.device != device:
                     self._stream = torch.cuda.Stream(device=device)
-                self._stream.wait_stream(torch.cuda.current_stream(device))
-            for t, buf in zip(tensors, self._buffers):
-                if t.device.type == "cuda":
-                    with torch.cuda.stream(self._stream):
-                        buf.copy_(t, non_blocking=True)
-                    t.record_stream(self._stream)  # the caller may free t: keep it until the copy ran
-                else:
-                    buf.copy_(t)
-            if cuda:
-                event = self._stream.record_event()
-            return list(self._buffers), (event.synchronize if event is not None else _nothing)
+                stream = self._stream
+            overlap = (stream is not None) if self.overlap is None else self.overlap
+            return StagedCopy(tensors, list(self._buffers), stream, self._lock, overlap=overlap)
+
+    def release(self) -> None:
+        """Drop every buffer (the next save allocates them again)."""
+        with self._lock:
+            self._drop()
+
+
+class StagedCopy:
+    """One snapshot into a stager's buffers: ``run()`` copies, ``ready(i)`` / ``wait()`` wait.
+
+    CPU pieces are copied one after another on the thread calling ``run()``; CUDA pieces are
+    queued non-blocking on the stager's side stream (after everything already queued on the
+    current stream), each followed by an event. A failure makes every later ``ready`` raise.
+    """
+
+    def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], stream, lock, *,
+                 overlap: bool = False) -> None:
+        self.buffers = buffers
+        self.overlap = overlap  # whether writing may start before the whole copy is done
+        self._sources = sources
+        self._stream = stream
+        self._lock = lock
+        self._issued = [threading.Event() for _ in sources]
+        self._copied = [False] * len(sources)  # CPU piece i copied / CUDA piece i queued
+        self._events: list = [None] * len(sources)
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self._lock:  # one copy into these buffers at a time
+                if self._stream is not None:
+                    self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+                for i, (t, buf) in enumerate(zip(self._sources, self.buffers)):
+                    if t.device.type == "cuda":
+                        with torch.cuda.stream(self._stream):
+                            buf.copy_(t, non_blocking=True)
+                        t.record_stream(self._stream)  # the caller may free t: keep it until the copy ran
+                        self._events[i] = self._stream.record_event()
+                    else:
+                        buf.copy_(t)
+                    self._copied[i] = True
+                    self._issued[i].set()
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            for ev in self._issued:
+                ev.set()
+
+    def ready(self, i: int) -> None:
+        """Block until buffer ``i`` holds its copy; raise StateDictError if it never will."""
+        self._issued[i].wait()
+        if not self._copied[i]:
+            raise StateDictError(f"snapshot into host memory failed before piece {i}: "
+                                 f"{type(self._error).__name__}: {self._error}") from self._error
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+
+    def wait(self) -> None:
+        for i in range(len(self.buffers)):
+            self.ready(i)
+
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates them again)."""
@@ -153,10 +227,6 @@ def _register_pinned(arena: torch.Tensor) -> Callable[[], None] | None:
         cudart.cudaHostUnregister(arena.data_ptr())
 
     return unpin
-
-
-def _nothing() -> None:
-    return None
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -335,24 +405,32 @@ def async_save(
     _LIVE.add(handle)
 
     snap: Prepared | None = None
+    begun = threading.Event()  # the buffers are known: the writer may start on staged pieces
 
     def snapshot() -> None:
         """Copy into the stager; a failure is kept for the save, which then fails on every rank."""
         nonlocal snap
         try:
-            staged, wait_copies = stager.copy(prepared.tensors())
-            wait_copies()
-            snap = prepared.with_tensors(staged)
+            copy = stager.begin(prepared.tensors())
+            snap = prepared.with_tensors(copy.buffers, ready=[functools.partial(copy.ready, i)
+                                                              for i in range(len(copy.buffers))])
+            if copy.overlap:
+                begun.set()
+            copy.run()
+            copy.wait()
         except Exception as e:  # noqa: BLE001 - e.g. out of (pinned) memory
             handle._stage_error = StateDictError(f"{path}: snapshot into host memory failed: "
                                                  f"{type(e).__name__}: {e}")
         finally:
             handle.staged_seconds = time.perf_counter() - t0
+            begun.set()
             handle._staged.set()
 
     def staged() -> Prepared:
-        handle._staged.wait()
-        if handle._stage_error is not None:
+        """The snapshot's buffers, as soon as they exist: each piece's ``ready`` waits for its copy."""
+        begun.wait()
+        if snap is None:
+            handle._staged.wait()
             raise handle._stage_error
         return snap
 
@@ -391,4 +469,4 @@ def async_save(
     return handle
 
 
-__all__ = ["async_save", "AsyncSave", "Stager", "default_stager"]
+__all__ = ["async_save", "AsyncSave", "Stager", "StagedCopy", "default_stager"]

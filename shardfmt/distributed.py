@@ -312,16 +312,27 @@ class Prepared:
     held: dict[str, _Held]
     desc: dict
     error: ShardfmtError | None = None
+    ready: dict[tuple[str, Box], Callable[[], None]] | None = None  # (fqn, box) -> wait for that piece's data
 
     def tensors(self) -> list[torch.Tensor]:
         return [data for h in self.held.values() for _, data in h.pieces]
 
-    def with_tensors(self, tensors: list[torch.Tensor]) -> Prepared:
-        """The same description over other tensors (a snapshot), in ``tensors()`` order."""
+    def with_tensors(self, tensors: list[torch.Tensor],
+                     ready: list[Callable[[], None]] | None = None) -> Prepared:
+        """The same description over other tensors (a snapshot), in ``tensors()`` order;
+        ``ready[i]``, when given, blocks until ``tensors[i]`` holds its data."""
         it = iter(tensors)
         held = {f: _Held(h.fqn, h.dtype, h.shape, h.placement, [(box, next(it)) for box, _ in h.pieces])
                 for f, h in self.held.items()}
-        return Prepared(self.rank, held, self.desc)
+        gates = None
+        if ready is not None:
+            keys = [(h.fqn, box) for h in self.held.values() for box, _ in h.pieces]
+            gates = dict(zip(keys, ready))
+        return Prepared(self.rank, held, self.desc, ready=gates)
+
+    def wait_ready(self) -> None:
+        for gate in (self.ready or {}).values():
+            gate()
 
 
 def prepare(state_dict: dict, rank: int) -> Prepared:
@@ -383,6 +394,7 @@ def run_save(
     # 1-2) gather the descriptions
     if check_replicas and _snapshot is not None:  # the digests need the data
         prepared, _snapshot = _snapshot(), None
+        prepared.wait_ready()
     payload = prepared.desc
     if check_replicas and payload.get("ok"):
         payload = {**payload, "replica_digests": {
@@ -419,7 +431,9 @@ def run_save(
     try:
         if _snapshot is not None:
             prepared = _snapshot()
-        mine = [ShardData(fqn=h.fqn, data=data, global_shape=h.shape, offsets=box.offsets, placement=h.placement)
+        gates = prepared.ready or {}
+        mine = [ShardData(fqn=h.fqn, data=data, global_shape=h.shape, offsets=box.offsets, placement=h.placement,
+                          ready=gates.get((h.fqn, box)))
                 for h in prepared.held.values() for box, data in h.pieces
                 if writers[(h.fqn, box.offsets, box.lengths)] == rank]
         if mine and rank != 0:

@@ -102,6 +102,8 @@ class ShardData:
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     placement: Placement | None = None
+    # Called before ``data`` is read (async saves: waits until the snapshot's copy of this piece landed).
+    ready: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_slice(self.fqn, tuple(self.data.shape), tuple(self.offsets), tuple(self.global_shape))
@@ -255,6 +257,8 @@ def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_siz
     try:
         out.write(header_bytes)
         for s in shards:
+            if s.ready is not None:
+                s.ready()
             for piece in byte_pieces(s.data):
                 out.write(piece)
     finally:
@@ -357,22 +361,22 @@ class ShardStream:
         self._file.abort()
 
 
-def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview]] | None:
-    """(file offset, bytes) of the header and every shard, when all are zero-copy views; else None."""
-    segments = [(0, memoryview(header.data))]
+def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview, Callable | None]] | None:
+    """(file offset, bytes, ready) of the header and every shard, when all are zero-copy views; else None."""
+    segments = [(0, memoryview(header.data), None)]
     for entry, s in zip(header.entries, shards):
         if s.data.numel() == 0:
             continue
         if not is_direct(s.data):
             return None
-        segments.append((entry.start, byte_view(s.data)))
+        segments.append((entry.start, byte_view(s.data), s.ready))
     return segments
 
 
-def _write_parts(w, segments: list[tuple[int, memoryview]], file_size: int, *, chunk_size: int,
+def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], file_size: int, *, chunk_size: int,
                  part_size: int, workers: int) -> tuple[list[str], int]:
     """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads."""
-    starts = [off for off, _ in segments]
+    starts = [off for off, _, _ in segments]
 
     def part(lo: int) -> tuple[list[str], int]:
         hi = min(lo + part_size, file_size)
@@ -380,10 +384,12 @@ def _write_parts(w, segments: list[tuple[int, memoryview]], file_size: int, *, c
         i = max(0, bisect.bisect_right(starts, lo) - 1)
         pos = lo
         while pos < hi:
-            off, mv = segments[i]
+            off, mv, ready = segments[i]
             a, b = max(pos - off, 0), min(hi - off, len(mv))
             if off > pos or a >= b:
                 raise CommitError(f"internal: no data for byte {pos} of the file")
+            if ready is not None:
+                ready()
             piece = mv[a:b]
             w.pwrite(off + a, piece)
             hasher.update(piece)

@@ -47,15 +47,17 @@ def _equal(a, b):
             assert a[k] == b[k], k
 
 
+@pytest.mark.parametrize("overlap", [None, True], ids=["overlap-auto", "overlap-on"])
 @pytest.mark.parametrize("stage", ["call", "background"])
-def test_an_optimizer_step_after_the_call_does_not_change_what_is_written(tmp_path, stage):
+def test_an_optimizer_step_after_the_call_does_not_change_what_is_written(tmp_path, stage, overlap):
     m, o = _model_state()
     _step(m, o)
     sd = {**{f"model.{k}": v for k, v in m.state_dict().items()},
           **{f"exp_avg.{i}": o.state[p]["exp_avg"] for i, p in enumerate(m.parameters())},
           "lr": 0.1}
     before = _snapshot(sd)
-    h = shardfmt.async_save(sd, str(tmp_path / "c"), step=1, stage=stage, stager=shardfmt.Stager())
+    h = shardfmt.async_save(sd, str(tmp_path / "c"), step=1, stage=stage, stager=shardfmt.Stager(overlap=overlap),
+                            part_size=1 << 20, write_workers=2)
     if stage == "background":
         h.wait_staged()
     for _ in range(3):  # in place: parameters, exp_avg and exp_avg_sq all change
@@ -127,6 +129,32 @@ def test_wait_policy_waits_for_the_previous_save(tmp_path, monkeypatch):
     out = {"w": torch.empty(10)}
     shardfmt.load(out, str(tmp_path / "a"))
     assert torch.equal(out["w"], torch.ones(10))  # the reused buffers did not leak into the first save
+
+
+def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_readers():
+    """With overlap the writer waits piece by piece: ``ready(i)`` returns once buffer ``i`` holds
+    its copy (not before ``run``), and a copy that fails makes the later pieces' ``ready`` raise
+    the project's error (so every rank's save fails instead of writing stale bytes)."""
+    from shardfmt.async_save import StagedCopy
+
+    src = [torch.arange(6.0), torch.ones(3, 4)]
+    copy = shardfmt.Stager(overlap=True).begin(src)
+    assert copy.overlap
+    got = threading.Event()
+    waiter = threading.Thread(target=lambda: (copy.ready(1), got.set()))
+    waiter.start()
+    assert not got.wait(0.2)  # nothing copied yet
+    copy.run()
+    waiter.join(5)
+    assert got.is_set() and torch.equal(copy.buffers[0], src[0]) and torch.equal(copy.buffers[1], src[1])
+
+    broken = StagedCopy([torch.ones(2), torch.ones(5)], [torch.empty(2), torch.empty(3)], None, threading.Lock(),
+                        overlap=True)
+    with pytest.raises(RuntimeError):
+        broken.run()
+    broken.ready(0)  # copied before the failure
+    with pytest.raises(shardfmt.StateDictError, match="snapshot into host memory failed before piece 1"):
+        broken.ready(1)
 
 
 def test_errors_surface_on_wait_or_at_the_call(tmp_path):
