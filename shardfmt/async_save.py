@@ -12,12 +12,12 @@
    host buffers. The buffers are allocated on the first save and reused by every later one
    (first-touch page faults make fresh memory 10-25x slower to fill than reused memory),
    pinned when the state is on CUDA, where the copies run non-blocking on a side stream.
-2) on a background thread, started before the copy: the save protocol of
-   ``shardfmt.distributed`` on a gloo group of its own (never the training's collectives).
-   Agreeing on the plan and staging the checkpoint need no data, so they run while the copy
-   does; writing then reads the snapshot. For CUDA states (``Stager(overlap=...)``) writing
-   starts on the pieces already copied while later ones are still in flight. Then the
-   commit. A save counts only once committed: until then ``Checkpointer.latest()`` is the
+2) on a background thread: the save protocol of ``shardfmt.distributed`` on a gloo group
+   of its own (never the training's collectives), then the commit. Where the copy is DMA
+   (CUDA states; ``Stager(overlap=...)`` decides) the thread starts while it runs: agreeing
+   on the plan and staging the checkpoint need no data, and writing starts on the pieces
+   already copied while later ones are in flight. CPU copies would share the cores and the
+   GIL with it, so there it starts after the copy (``stage="background"``: at once). A save counts only once committed: until then ``Checkpointer.latest()`` is the
    previous one.
 
 One save at a time per stager: staging memory is one copy of the rank's state. A save
@@ -407,8 +407,10 @@ def async_save(
     snap: Prepared | None = None
     begun = threading.Event()  # the buffers are known: the writer may start on staged pieces
 
-    def snapshot() -> None:
-        """Copy into the stager; a failure is kept for the save, which then fails on every rank."""
+    def snapshot(on_begun: Callable[[], None] | None = None) -> None:
+        """Copy into the stager; a failure is kept for the save, which then fails on every rank.
+
+        ``on_begun`` runs once the buffers exist, when the writer may overlap the copy."""
         nonlocal snap
         try:
             copy = stager.begin(prepared.tensors())
@@ -416,6 +418,8 @@ def async_save(
                                                               for i in range(len(copy.buffers))])
             if copy.overlap:
                 begun.set()
+                if on_begun is not None:
+                    on_begun()
             copy.run()
             copy.wait()
         except Exception as e:  # noqa: BLE001 - e.g. out of (pinned) memory
@@ -460,10 +464,14 @@ def async_save(
 
     # Not daemons: the interpreter waits for an in-flight save before it exits.
     handle._thread = threading.Thread(target=work, name="shardfmt-async-save", daemon=False)
-    handle._thread.start()
     if stage == "call":
-        snapshot()
+        # The writer starts during the copy only when the copy is DMA (CUDA): CPU copies on the
+        # caller's thread would share the cores and the GIL with it and block the caller longer.
+        snapshot(on_begun=handle._thread.start)
+        if handle._thread.ident is None:  # not started during the copy
+            handle._thread.start()
     else:
+        handle._thread.start()
         threading.Thread(target=snapshot, name="shardfmt-async-stage", daemon=False).start()
     handle.blocked_seconds = time.perf_counter() - t0
     return handle
