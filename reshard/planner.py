@@ -6,7 +6,9 @@ and a sweep per tensor (no all-pairs loop), turns every overlap into byte spans 
 shard's row-major data (``geometry.box_spans``), and groups spans per file into physical
 reads: adjacent spans merge when the gap is at most ``max_gap``; a read never grows past
 ``max_read`` bytes by merging. With ``verify=True`` each read is rounded out to whole hash
-chunks so every chunk it touches can be checked.
+chunks so every chunk it touches can be checked; where the next read would start inside the
+last chunk of the previous one, the previous one ends at that chunk's start instead (copies
+straddling it are split with ``geometry.split_block``), so no chunk is read twice.
 
 The result names, for every copy, the source bytes (``src_start``/``src_end`` in the
 file, with the source box's ``src_lengths`` and row-major ``src_strides``) and where they
@@ -229,7 +231,6 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
     cur_start = cur_end = 0
 
     def close(upto: int | None = None) -> None:
-        nonlocal cur, cur_start, cur_end
         end = cur_end if upto is None else upto
         out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, end),
                                 items=tuple(sorted(cur, key=lambda i: (i.src_start, i.src_end)))))

@@ -120,11 +120,13 @@ class Stager:
         staged.run()
         return staged.buffers, staged.wait
 
-    def begin(self, tensors: list[torch.Tensor]) -> StagedCopy:
+    def begin(self, tensors: list[torch.Tensor], *, after=None) -> StagedCopy:
         """Allocate (or reuse) the buffers for ``tensors``; the copy starts with ``run()``.
 
         The returned copy's ``ready(i)`` waits for buffer ``i`` alone, so a writer can start
-        on the first pieces while later ones are still being copied.
+        on the first pieces while later ones are still being copied. CUDA copies wait for
+        ``after`` (a CUDA event recorded where the snapshot was asked for), else for the
+        current stream of the thread calling ``run()``.
         """
         with self._lock:
             tensors = [_plain(t) for t in tensors]
@@ -139,7 +141,7 @@ class Stager:
                     self._stream = torch.cuda.Stream(device=device)
                 stream = self._stream
             overlap = (stream is not None) if self.overlap is None else self.overlap
-            return StagedCopy(tensors, list(self._buffers), stream, self._lock, overlap=overlap)
+            return StagedCopy(tensors, list(self._buffers), stream, self._lock, overlap=overlap, after=after)
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates them again)."""
@@ -156,11 +158,12 @@ class StagedCopy:
     """
 
     def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], stream, lock, *,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, after=None) -> None:
         self.buffers = buffers
         self.overlap = overlap  # whether writing may start before the whole copy is done
         self._sources = sources
         self._stream = stream
+        self._after = after
         self._lock = lock
         self._issued = [threading.Event() for _ in sources]
         self._copied = [False] * len(sources)  # CPU piece i copied / CUDA piece i queued
@@ -171,7 +174,10 @@ class StagedCopy:
         try:
             with self._lock:  # one copy into these buffers at a time
                 if self._stream is not None:
-                    self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+                    if self._after is not None:
+                        self._stream.wait_event(self._after)
+                    else:
+                        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
                 for i, (t, buf) in enumerate(zip(self._sources, self.buffers)):
                     if t.device.type == "cuda":
                         with torch.cuda.stream(self._stream):
@@ -227,6 +233,14 @@ def _register_pinned(arena: torch.Tensor) -> Callable[[], None] | None:
         cudart.cudaHostUnregister(arena.data_ptr())
 
     return unpin
+
+
+def _caller_event(tensors: list[torch.Tensor]):
+    """A CUDA event on the calling thread's current stream of the first CUDA tensor's device, or None."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            return torch.cuda.current_stream(t.device).record_event()
+    return None
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -404,6 +418,9 @@ def async_save(
     stager.inflight = handle
     _LIVE.add(handle)
 
+    # CUDA: the snapshot sees every write queued on the caller's stream before this call, even
+    # when a background thread (whose current stream is the default one) does the copy.
+    asked = _caller_event(prepared.tensors())
     snap: Prepared | None = None
     begun = threading.Event()  # the buffers are known: the writer may start on staged pieces
 
@@ -413,7 +430,7 @@ def async_save(
         ``on_begun`` runs once the buffers exist, when the writer may overlap the copy."""
         nonlocal snap
         try:
-            copy = stager.begin(prepared.tensors())
+            copy = stager.begin(prepared.tensors(), after=asked)
             snap = prepared.with_tensors(copy.buffers, ready=[functools.partial(copy.ready, i)
                                                               for i in range(len(copy.buffers))])
             if copy.overlap:

@@ -34,3 +34,19 @@ def test_load_into_strided_cuda_target_leaves_neighbours(tmp_path):
     shardfmt.load({"w": big[:, 20:68]}, str(tmp_path / "c"))
     assert torch.equal(big[:, 20:68].cpu(), w)
     assert torch.all(big[:, :20] == -7.0) and torch.all(big[:, 68:] == -7.0)
+
+
+def test_background_staging_sees_writes_queued_on_the_callers_stream(tmp_path):
+    """The snapshot waits for what the caller queued on *its* current stream before the call,
+    even though a background thread (whose current stream is the default one) copies."""
+    side = torch.cuda.Stream()
+    w = torch.zeros(4096, 4096, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the stream busy so a copy that does not wait reads zeros
+        w.fill_(3.0)
+        h = shardfmt.async_save({"w": w}, str(tmp_path / "c"), stager=shardfmt.Stager(), stage="background")
+    h.wait_staged()
+    h.wait()
+    out = {"w": torch.empty(4096, 4096)}
+    shardfmt.load(out, str(tmp_path / "c"))
+    assert torch.all(out["w"] == 3.0)
