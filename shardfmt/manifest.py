@@ -503,15 +503,17 @@ def manifest_from_obj(obj: Any, *, source: str = "manifest.json") -> Manifest:
 
 def check_depth(obj: Any, *, source: str, limit: int = MAX_DEPTH) -> None:
     """Refuse JSON nested deeper than ``limit`` (iteratively: no recursion to exhaust)."""
-    stack = [(obj, 1)]
+    if limit < 1:
+        raise ManifestError(f"{source}: JSON nested deeper than {limit} levels")
+    if not isinstance(obj, (dict, list)):
+        return
+    stack = [(obj, 1)]  # only containers are pushed: a scalar sits one level below its container
     while stack:
         v, d = stack.pop()
-        if d > limit:
+        items = v.values() if isinstance(v, dict) else v
+        if d > limit or (d == limit and items):
             raise ManifestError(f"{source}: JSON nested deeper than {limit} levels")
-        if isinstance(v, dict):
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            stack.extend((x, d + 1) for x in v)
+        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
 
 
 def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
