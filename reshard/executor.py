@@ -31,6 +31,7 @@ from .planner import CopyItem, LoadPlan, PhysicalRead
 
 DEFAULT_WORKERS = 4
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
+IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
 
 
@@ -80,6 +81,13 @@ class _Readers:
             except OSError:
                 pass
         self._open.clear()
+
+
+def _pieces(segments: Sequence[memoryview]):
+    """The segments cut into pieces of at most READ_PIECE bytes, in order."""
+    for seg in segments:
+        for off in range(0, len(seg), READ_PIECE):
+            yield seg[off : off + READ_PIECE]
 
 
 class _ReadAhead:
@@ -247,18 +255,31 @@ class Executor:
                         for off in range(0, len(seg), READ_PIECE):
                             hasher.update(seg[off : off + READ_PIECE])
                 segments = []
-            for seg in segments:
-                for off in range(0, len(seg), READ_PIECE):
-                    piece = seg[off : off + READ_PIECE]
-                    reader.readinto(pos, [piece])
-                    pos += len(piece)
-                    if hasher is not None:
-                        hasher.update(piece)
+            batch: list[memoryview] = []  # pieces read by one call: up to READ_PIECE bytes, IOV_BATCH buffers
+            size = 0
+            for piece in _pieces(segments):
+                if batch and (size + len(piece) > READ_PIECE or len(batch) == IOV_BATCH):
+                    pos = self._read_batch(reader, pos, batch, size, hasher)
+                    batch, size = [], 0
+                batch.append(piece)
+                size += len(piece)
+            if batch:
+                self._read_batch(reader, pos, batch, size, hasher)
         except ShardfmtError as e:  # same kind (truncation stays an IntegrityError), with the read named
             raise type(e)(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
                                f"failed: {e}") from None
         if hasher is not None:
             self._verify(read, hasher.finish())
+
+    @staticmethod
+    def _read_batch(reader: FileReader, pos: int, batch: list[memoryview], size: int,
+                    hasher: ChunkHasher | None) -> int:
+        """One scatter read of consecutive pieces, then hash them in order; return the next offset."""
+        reader.readinto(pos, batch)
+        if hasher is not None:
+            for piece in batch:
+                hasher.update(piece)
+        return pos + size
 
     def _verify(self, read: PhysicalRead, got: list[str]) -> None:
         c = self.chunk_size

@@ -15,6 +15,7 @@ of boxes, each paired with where it sits in the rank's local tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -228,11 +229,20 @@ class HeldBox:
 def held_boxes(global_shape: Sequence[int], layout: Layout, coords: Mapping[str, int],
                mesh_sizes: Mapping[str, int]) -> list[HeldBox]:
     """Return the boxes a rank holds (the product of its per-dim intervals)."""
-    held = held_intervals(global_shape, layout, coords, mesh_sizes)
+    key = (tuple(global_shape), layout, tuple(coords.items()), tuple(mesh_sizes.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return list(_held_boxes(*key))
+    return list(_held_boxes_cached(*key))
+
+
+def _held_boxes(global_shape: tuple[int, ...], layout: Layout, coords: tuple, mesh_sizes: tuple) -> tuple[HeldBox, ...]:
+    held = held_intervals(global_shape, layout, dict(coords), dict(mesh_sizes))
     if held is None:
-        return []
+        return ()
     if len(global_shape) == 0:
-        return [HeldBox(Box((), ()), ())]
+        return (HeldBox(Box((), ()), ()),)
     per_dim: list[list[tuple[int, int, int]]] = []  # (global lo, length, local lo)
     for intervals in held:
         pos = 0
@@ -247,7 +257,11 @@ def held_boxes(global_shape: Sequence[int], layout: Layout, coords: Mapping[str,
     for combo in _product(per_dim):
         out.append(HeldBox(Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo)),
                            tuple(c[2] for c in combo)))
-    return out
+    return tuple(out)
+
+
+# Thousands of tensors share a few (shape, layout) pairs: each is worked out once.
+_held_boxes_cached = functools.lru_cache(maxsize=4096)(_held_boxes)
 
 
 def local_shape(global_shape: Sequence[int], layout: Layout, coords: Mapping[str, int],

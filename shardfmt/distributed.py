@@ -21,6 +21,7 @@ frozen rank surfaces as an error within it rather than a hang.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -117,19 +118,33 @@ def broadcast_bytes(data: bytes | None, src: int, group) -> bytes:
 
 def dtensor_layout(v) -> tuple[Layout, dict[str, int], dict[str, int]]:
     """Return the Layout of a DTensor, this rank's mesh coordinates and the mesh sizes."""
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    key = (v.device_mesh, tuple(v.placements), v.dim(), rank)
+    try:
+        hash(key)
+    except TypeError:  # a placement type that cannot be hashed: work it out every time
+        layout, coords, sizes = _mesh_layout.__wrapped__(*key)
+    else:
+        layout, coords, sizes = _mesh_layout(*key)
+    return layout, dict(coords), dict(sizes)
+
+
+@functools.lru_cache(maxsize=1024)
+def _mesh_layout(mesh, placements: tuple, ndim: int, rank: int) -> tuple[Layout, tuple, tuple]:
+    """``dtensor_layout`` for one (mesh, placements, ndim) as seen by global ``rank``: states hold
+    thousands of DTensors on a few meshes and layouts, so each is worked out once."""
     from torch.distributed.tensor import Partial
     from torch.distributed.tensor import Replicate as TReplicate
     from torch.distributed.tensor import Shard as TShard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    mesh = v.device_mesh
     names = tuple(mesh.mesh_dim_names or (f"mesh{i}" for i in range(mesh.ndim)))
     places = []
-    for p in v.placements:
+    for p in placements:
         if isinstance(p, _StridedShard):
             places.append(StridedShard(p.dim, int(p.split_factor)))
         elif isinstance(p, TShard):
-            places.append(Shard(p.dim if p.dim >= 0 else p.dim + v.dim()))
+            places.append(Shard(p.dim if p.dim >= 0 else p.dim + ndim))
         elif isinstance(p, TReplicate):
             places.append(Replicate())
         elif isinstance(p, Partial):
@@ -139,8 +154,8 @@ def dtensor_layout(v) -> tuple[Layout, dict[str, int], dict[str, int]]:
             raise StateDictError(f"unsupported DTensor placement {p!r}")
     coord = mesh.get_coordinate()
     if coord is None:
-        return Layout(names, tuple(places)), {}, {}
-    return (Layout(names, tuple(places)), dict(zip(names, coord)), dict(zip(names, mesh.shape)))
+        return Layout(names, tuple(places)), (), ()
+    return Layout(names, tuple(places)), tuple(zip(names, coord)), tuple(zip(names, mesh.shape))
 
 
 @dataclass(slots=True)
