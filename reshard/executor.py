@@ -61,18 +61,22 @@ class _Readers:
             return r
 
     def prefetch(self, reads: Sequence[PhysicalRead], *, gap: int = 1 << 20) -> None:
-        """Hint the reads to the storage, nearby ones in a file as one range."""
-        cur: list = []  # [file, start, end]
+        """Hint the reads to the storage, nearby ones in a file as one range. Advisory: a file
+        that cannot be opened is left for its read to report, named."""
+        ranges: list[list] = []  # [file, start, end]
         for r in reads:
             s, e = r.byte_range.start, r.byte_range.end
-            if cur and r.file == cur[0] and cur[2] <= s <= cur[2] + gap:
-                cur[2] = max(cur[2], e)
+            if ranges and r.file == ranges[-1][0] and ranges[-1][2] <= s <= ranges[-1][2] + gap:
+                ranges[-1][2] = max(ranges[-1][2], e)
+            else:
+                ranges.append([r.file, s, e])
+        for name, s, e in ranges:
+            try:
+                hint = getattr(self.get(name), "prefetch", None)
+            except (ShardfmtError, OSError):
                 continue
-            if cur:
-                self.get(cur[0]).prefetch(cur[1], cur[2] - cur[1])
-            cur = [r.file, s, e]
-        if cur:
-            self.get(cur[0]).prefetch(cur[1], cur[2] - cur[1])
+            if hint is not None:
+                hint(s, e - s)
 
     def close(self) -> None:
         for r in self._open.values():

@@ -241,20 +241,29 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
             cur.append(it)
             cur_end = max(cur_end, e)
             continue
-        carried: list[CopyItem] = []
+        nxt: list[CopyItem] = [it]
         if cur and verify and s < cur_end:
-            # ``it`` shares a hash chunk with the read being closed: end that read at the chunk
-            # boundary before ``it`` instead, moving what lies past the boundary to the next
-            # read, so no chunk is read (and hashed) twice.
+            # ``it`` shares a hash chunk with the read being closed. Cut at a chunk boundary
+            # instead, so no chunk is read (and hashed) twice: end the read at the chunk before
+            # ``it`` (what lies past it moves to the next read), or, when ``it`` starts in the
+            # read's first chunk, keep the part of ``it`` inside the read and carry the rest.
             cut = (it.src_start // chunk) * chunk
-            kept = _cut_items(cur, cut) if cut > cur_start else None
-            if kept is not None:
-                cur, carried = kept
-                close(upto=cut)
-                cur = []
+            if cut > cur_start:
+                kept = _cut_items(cur, cut)
+                if kept is not None:
+                    cur, carried = kept
+                    close(upto=cut)
+                    cur, nxt = [], carried + [it]
+            else:
+                parts = _cut_items([it], cur_end)
+                if parts is not None:
+                    head, nxt = parts
+                    cur.extend(head)
+                    if not nxt:  # all of ``it`` lies inside the read
+                        continue
         if cur:
             close()
-        cur = carried + [it]
+        cur = nxt
         bounds = [outer(i) for i in cur]
         cur_start = min(b[0] for b in bounds)
         cur_end = max(b[1] for b in bounds)

@@ -189,7 +189,7 @@ class StagedCopy:
                     self._copied[i] = True
                     self._issued[i].set()
         except BaseException as e:
-            self._error = e
+            self.fail(e)
             raise
         finally:
             for ev in self._issued:
@@ -202,17 +202,22 @@ class StagedCopy:
             raise StateDictError(f"snapshot into host memory failed before piece {i}: "
                                  f"{type(self._error).__name__}: {self._error}") from self._error
         if self._events[i] is not None:
-            self._events[i].synchronize()
+            try:
+                self._events[i].synchronize()
+            except Exception as e:  # noqa: BLE001 - a device error: the project's error, on every rank
+                raise StateDictError(f"snapshot into host memory failed at piece {i}: "
+                                     f"{type(e).__name__}: {e}") from e
 
     def wait(self) -> None:
         for i in range(len(self.buffers)):
             self.ready(i)
 
-
-    def release(self) -> None:
-        """Drop every buffer (the next save allocates them again)."""
-        with self._lock:
-            self._drop()
+    def fail(self, error: BaseException) -> None:
+        """Give up before or during ``run()``: every piece not yet copied fails its ``ready``."""
+        if self._error is None:
+            self._error = error
+        for ev in self._issued:
+            ev.set()
 
 
 def _sig(t: torch.Tensor, pin: bool) -> tuple:
@@ -420,7 +425,8 @@ def async_save(
 
     # CUDA: the snapshot sees every write queued on the caller's stream before this call, even
     # when a background thread (whose current stream is the default one) does the copy.
-    asked = _caller_event(prepared.tensors())
+    sources = [_plain(t) for t in prepared.tensors()]  # conj/neg resolved on the caller's stream, before:
+    asked = _caller_event(sources)
     snap: Prepared | None = None
     begun = threading.Event()  # the buffers are known: the writer may start on staged pieces
 
@@ -429,8 +435,9 @@ def async_save(
 
         ``on_begun`` runs once the buffers exist, when the writer may overlap the copy."""
         nonlocal snap
+        copy = None
         try:
-            copy = stager.begin(prepared.tensors(), after=asked)
+            copy = stager.begin(sources, after=asked)
             snap = prepared.with_tensors(copy.buffers, ready=[functools.partial(copy.ready, i)
                                                               for i in range(len(copy.buffers))])
             if copy.overlap:
@@ -439,9 +446,13 @@ def async_save(
                     on_begun()
             copy.run()
             copy.wait()
-        except Exception as e:  # noqa: BLE001 - e.g. out of (pinned) memory
+        except BaseException as e:  # noqa: BLE001 - e.g. out of (pinned) memory; re-raised below if not an Exception
             handle._stage_error = StateDictError(f"{path}: snapshot into host memory failed: "
                                                  f"{type(e).__name__}: {e}")
+            if copy is not None:
+                copy.fail(e)  # a writer already waiting on a piece must not wait forever
+            if not isinstance(e, Exception):
+                raise
         finally:
             handle.staged_seconds = time.perf_counter() - t0
             begun.set()
@@ -484,7 +495,14 @@ def async_save(
     if stage == "call":
         # The writer starts during the copy only when the copy is DMA (CUDA): CPU copies on the
         # caller's thread would share the cores and the GIL with it and block the caller longer.
-        snapshot(on_begun=handle._thread.start)
+        try:
+            snapshot(on_begun=handle._thread.start)
+        except BaseException:  # e.g. KeyboardInterrupt during the copy
+            if handle._thread.ident is None:  # no writer: this save is over (exit must not wait for it)
+                handle._error = handle._stage_error
+                handle.total_seconds = time.perf_counter() - t0
+                handle._done.set()
+            raise
         if handle._thread.ident is None:  # not started during the copy
             handle._thread.start()
     else:

@@ -407,10 +407,13 @@ def run_save(
         storage, path = get_storage(path, storage_options)
 
     # 1-2) gather the descriptions
-    if check_replicas and _snapshot is not None:  # the digests need the data
-        prepared, _snapshot = _snapshot(), None
-        prepared.wait_ready()
     payload = prepared.desc
+    if check_replicas and _snapshot is not None and payload.get("ok"):  # the digests need the data
+        try:
+            prepared, _snapshot = _snapshot(), None
+            prepared.wait_ready()
+        except ShardfmtError as e:  # told to every rank by the gather below
+            payload = _err_payload(rank, e)
     if check_replicas and payload.get("ok"):
         payload = {**payload, "replica_digests": {
             f"{h.fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
@@ -462,6 +465,8 @@ def run_save(
             result = {"ok": True, "rank": 0, "file": None}
         else:
             result = {"ok": True, "rank": rank, "file": None}
+        # A snapshot counts only whole: pieces other ranks write must have been copied here too.
+        prepared.wait_ready()
     except (ShardfmtError, OSError) as e:
         result = _err_payload(rank, e)
     except BaseException:

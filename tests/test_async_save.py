@@ -240,3 +240,22 @@ def test_checkpointer_async_latest_never_names_an_in_flight_save(tmp_path, monke
     assert Checkpointer(str(tmp_path)).restore({"model": m2, "optim": o2}) == 2
     for a, b in zip(m.parameters(), m2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, monkeypatch):
+    """Ctrl-C during the call's copy: the interrupt propagates, nothing is written, and the
+    handle is done, so the interpreter's exit (which waits for in-flight saves) does not hang."""
+    from shardfmt.async_save import _LIVE, StagedCopy
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StagedCopy, "run", interrupted)
+    stager = shardfmt.Stager()
+    with pytest.raises(KeyboardInterrupt):
+        shardfmt.async_save({"w": torch.ones(4)}, str(tmp_path / "c"), stager=stager)
+    assert stager.inflight is not None and stager.inflight.done()
+    with pytest.raises(shardfmt.StateDictError, match="snapshot"):
+        stager.inflight.wait()
+    assert all(h.done() for h in list(_LIVE))
+    assert not (tmp_path / "c").exists()

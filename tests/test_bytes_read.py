@@ -90,3 +90,22 @@ def test_verified_column_slice_reads_each_hash_chunk_once(big):
     assert torch.equal(local, w[:, 512:])
     assert rep.read_requests > 2  # several bounce reads (the cuts are exercised)
     assert rep.bytes_read <= _rounded(*shard.byte_range) + header
+
+
+def test_two_column_targets_of_one_tensor_read_each_chunk_once(tmp_path):
+    """Two column halves interleave row by row in the file: a read must not re-read the chunk
+    it shares with the next one, even when the next copy starts inside the read's first chunk."""
+    from reshard.geometry import Box
+    from reshard.planner import TargetSlice, plan_load
+
+    path = str(tmp_path / "c")
+    shardfmt.save({"w": torch.randn(16384, 256)}, path)  # 16 MiB, 1 KiB rows
+    m = shardfmt.read_manifest(path)
+    halves = [TargetSlice(index=i, fqn="w", box=Box((0, 128 * i), (16384, 128))) for i in range(2)]
+    (shard,) = m.tensors["w"].shards
+    for bounce_read in (CHUNK, 8 * CHUNK):
+        plan = plan_load(m, halves, bounce=frozenset({0, 1}), max_bounce_read=bounce_read)
+        lo, hi = shard.byte_range
+        assert plan.bytes_to_read == min(-(-hi // CHUNK) * CHUNK, m.files[shard.file].size) - lo // CHUNK * CHUNK
+        spans = sorted((r.byte_range.start, r.byte_range.end) for r in plan.reads)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))

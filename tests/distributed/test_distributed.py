@@ -243,6 +243,17 @@ def test_fsdp2_model_through_the_checkpointer_reshards(tmp_path):
     assert len(m.tensors["optim.state.0.weight.exp_avg"].shards) == 2
 
 
+@pytest.mark.parametrize("check_replicas", [False, True])
+def test_a_snapshot_failing_on_one_rank_fails_the_async_save_on_every_rank(tmp_path, check_replicas):
+    path = str(tmp_path / "a")
+    results = check_all_ok(launch("async_snapshot_fails_on_one_rank", 2,
+                                  {"path": path, "check_replicas": check_replicas}, out_dir=str(tmp_path / "o")))
+    for r in results:
+        assert "rank 1" in r["outcome"] and "snapshot into host memory failed" in r["outcome"], r
+        assert r["seconds"] < 30  # told through the plan's collectives, not by a timeout
+    assert not os.path.exists(path) and not shardfmt.Checkpointer(str(tmp_path)).latest()
+
+
 def test_async_save_under_two_ranks_is_isolated_and_uses_its_own_group(tmp_path):
     path = str(tmp_path / "a")
     results = check_all_ok(launch("async_save2", 2, {"path": path}, out_dir=str(tmp_path / "o")))

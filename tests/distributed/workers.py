@@ -352,6 +352,31 @@ def async_save2(rank, world, args):
             "blocked": h.blocked_seconds, "total": h.total_seconds}
 
 
+@job
+def async_snapshot_fails_on_one_rank(rank, world, args):
+    """Rank 1's snapshot copy fails; its only piece is replicated and written by rank 0. Every
+    rank's save must still fail, fast, naming rank 1, and nothing is committed."""
+    from shardfmt.async_save import StagedCopy
+
+    if rank == 1:
+        orig = StagedCopy.run
+
+        def broken(self):
+            self._sources = [torch.ones(7) for _ in self._sources]  # copy_ fails: shapes differ
+            return orig(self)
+
+        StagedCopy.run = broken
+    t0 = time.monotonic()
+    h = shardfmt.async_save({"norm": torch.ones(1000)}, args["path"], stager=shardfmt.Stager(),
+                            check_replicas=args["check_replicas"], timeout=dt.timedelta(seconds=60))
+    try:
+        h.wait()
+        outcome = "committed"
+    except shardfmt.StateDictError as e:
+        outcome = str(e)
+    return {"outcome": outcome, "seconds": time.monotonic() - t0}
+
+
 def _fsdp_state(seed, world):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
