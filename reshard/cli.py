@@ -14,6 +14,7 @@ import sys
 import orjson
 
 from shardfmt.errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from shardfmt.storage import parse_storage_options
 
 from .geometry import Box
 from .planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
@@ -154,12 +155,18 @@ def cmd_import_hf(args) -> int:
 
 
 def _opts(args):
-    if not getattr(args, "storage_options", None):
-        return None
-    opts = orjson.loads(args.storage_options)
-    if not isinstance(opts, dict):
-        raise ValueError("--storage-options must be a JSON object")
-    return opts
+    return parse_storage_options(getattr(args, "storage_options", None))
+
+
+def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help: str, verify: bool) -> None:
+    """The flags convert, export-hf and import-hf share."""
+    p.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    if verify:
+        p.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
+    p.add_argument("--overwrite", action="store_true", help=overwrite_help)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,16 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("dst")
     cv.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=1,dp=2,tp=4")
     cv.add_argument("--rules", metavar="FILE", help="JSON placement rules (regex on FQN -> placement); see README")
-    cv.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
     cv.add_argument("--dtype", help="cast floating tensors, e.g. bf16, fp16, fp32")
     cv.add_argument("--per-rank", choices=("drop", "error"), default="drop",
                     help="per-rank values (RNG states) when the world size changes: leave out (default) or refuse")
     cv.add_argument("--deep-validate", action="store_true", help="re-hash every written chunk before committing")
-    cv.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
-    cv.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    cv.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cv.add_argument("--json", action="store_true", help="print the report as JSON")
-    cv.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    _stream_args(cv, budget_help=budget_help, overwrite_help="replace a committed checkpoint at DST", verify=True)
     cv.set_defaults(func=cmd_convert)
     ex = sub.add_parser("export-hf", help="write the Hugging Face layout (model*.safetensors, index, config.json)",
                         description="Export SRC as a directory transformers' from_pretrained loads: safetensors "
@@ -230,12 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--strip-prefix", metavar="P", help="remove P from the start of every name that has it")
     ex.add_argument("--add-prefix", metavar="P", help="prepend P to every name")
     ex.add_argument("--config", metavar="FILE", help="config.json to write (overrides the checkpoint's)")
-    ex.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
-    ex.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
-    ex.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    ex.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ex.add_argument("--json", action="store_true", help="print the report as JSON")
-    ex.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    _stream_args(ex, budget_help=budget_help, overwrite_help="replace DST if it exists", verify=True)
     ex.set_defaults(func=cmd_export_hf)
     im = sub.add_parser("import-hf", help="import a Hugging Face safetensors directory as a shardfmt checkpoint",
                         description="Import an HF safetensors model (one file or indexed) as DST: one rank, or "
@@ -245,11 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--mesh", help="lay the tensors out on this mesh, e.g. tp=4 (default: one rank)")
     im.add_argument("--rules", metavar="FILE", help="JSON placement rules for --mesh; see README")
     im.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
-    im.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
-    im.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    im.add_argument("--no-progress", action="store_true", help="no progress bar")
-    im.add_argument("--json", action="store_true", help="print the report as JSON")
-    im.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    _stream_args(im, budget_help=budget_help, overwrite_help="replace a committed checkpoint at DST", verify=False)
     im.set_defaults(func=cmd_import_hf)
     return p
 

@@ -13,6 +13,7 @@ from collections import Counter
 import orjson
 
 from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from .storage import parse_storage_options
 
 
 def _print_json(obj) -> None:
@@ -28,16 +29,10 @@ def _human(n: int) -> str:
 
 
 def _storage_options(args) -> dict | None:
-    raw = getattr(args, "storage_options", None)
-    if not raw:
-        return None
     try:
-        opts = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise SystemExit(_usage(f"--storage-options is not JSON: {e}")) from None
-    if not isinstance(opts, dict):
-        raise SystemExit(_usage("--storage-options must be a JSON object"))
-    return opts
+        return parse_storage_options(getattr(args, "storage_options", None))
+    except ValueError as e:
+        raise SystemExit(_usage(str(e))) from None
 
 
 def _usage(msg: str) -> int:

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
+
 from .errors import CheckpointNotFoundError, IntegrityError, StorageError
 
 
@@ -384,6 +386,19 @@ class LocalStorage:
             pass  # some filesystems refuse fsync on directories; the data files are synced
         finally:
             os.close(fd)
+
+
+def parse_storage_options(raw: str | None) -> dict | None:
+    """``--storage-options`` of the command-line tools: a JSON object, or None when not given."""
+    if not raw:
+        return None
+    try:
+        opts = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return opts
 
 
 def get_storage(url: str, storage_options: dict | None = None) -> tuple[Storage, str]:
