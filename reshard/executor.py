@@ -149,11 +149,15 @@ class Executor:
     ``bounce_buffers`` (uint8, one per worker) serve as the workers' bounce buffers instead
     of buffers allocated per run, so a caller running many plans (offline conversion under a
     memory budget) keeps one fixed set; each must hold the plan's largest bounced read.
+    ``bounce`` names targets that are never read into directly even when they could be
+    (targets sharing memory: bytes landing there could change before they are hashed).
     """
 
     def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
                  chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
-                 workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = ()) -> None:
+                 workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = (),
+                 bounce: frozenset[int] = frozenset()) -> None:
+        self.bounce = bounce
         self.storage = storage
         self.root = root
         self.files = files
@@ -199,7 +203,7 @@ class Executor:
         for it in read.items:
             dst = self.targets[it.target]
             dtype = self.src_dtypes[it.target]
-            if dst.dtype != dtype or it.src_start < pos or not _is_run(it, dtype.itemsize):
+            if it.target in self.bounce or dst.dtype != dtype or it.src_start < pos or not _is_run(it, dtype.itemsize):
                 return False
             if not is_direct(_dst_view(dst, it)):
                 return False

@@ -235,11 +235,14 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
         out.append(PhysicalRead(file=fname, byte_range=ByteRange(cur_start, end),
                                 items=tuple(sorted(cur, key=lambda i: (i.src_start, i.src_end)))))
 
-    for it in items:
+    k = 0
+    while k < len(items):
+        it = items[k]
+        k += 1
         s, e = outer(it)
-        if cur and s - cur_end <= max_gap and max(e, cur_end) - cur_start <= max_read:
+        if cur and s - cur_end <= max_gap and max(e, cur_end) - min(s, cur_start) <= max_read:
             cur.append(it)
-            cur_end = max(cur_end, e)
+            cur_start, cur_end = min(s, cur_start), max(cur_end, e)
             continue
         nxt: list[CopyItem] = [it]
         if cur and verify and s < cur_end:
@@ -261,6 +264,15 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
                     cur.extend(head)
                     if not nxt:  # all of ``it`` lies inside the read
                         continue
+                    # the copies after ``it`` that start inside the read are cut there too, so
+                    # every copy left starts at or after the next read's start
+                    while k < len(items) and items[k].src_start < cur_end:
+                        more = _cut_items([items[k]], cur_end)
+                        if more is None:
+                            break
+                        cur.extend(more[0])
+                        nxt.extend(more[1])
+                        k += 1
         if cur:
             close()
         cur = nxt

@@ -28,12 +28,12 @@ from reshard.planner import (
 
 from . import hashing, jsonvalue
 from .dtypes import dtype_code, torch_dtype
-from .errors import DTypeError, MissingKeyError, ShapeError, StateDictError
+from .errors import DTypeError, MissingKeyError, ShapeError, ShardfmtError, StateDictError
 from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
 from .tensor_bytes import is_direct
-from .writer import DEFAULT_PART_SIZE, CheckpointWriter, ShardData
+from .writer import DEFAULT_PART_SIZE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -142,7 +142,7 @@ def save(
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel.
     """
-    from .distributed import in_distributed_job, save_distributed
+    from .distributed import in_distributed_job, prepare, run_save, save_distributed
 
     if in_distributed_job(process_group):
         return save_distributed(
@@ -152,46 +152,13 @@ def save(
             write_workers=write_workers, part_size=part_size, _save_id=_save_id, _clock=_clock,
             _writer_versions=_writer_versions, _on_step=_on_step)
 
-    leaves = flatten(state_dict)
-    plain: dict[str, torch.Tensor] = {}
-    sharded: list[ShardData] = []
-    values: list[tuple[str, Any]] = []
-    for leaf in leaves:
-        v = leaf.value
-        if isinstance(v, ShardedTensor):
-            _check_saveable(leaf.fqn, v.local)
-            sharded.append(ShardData(fqn=leaf.fqn, data=v.local.detach(), global_shape=v.global_shape,
-                                     offsets=v.offsets))
-        elif _is_dtensor(v):
-            local = v.to_local()
-            if tuple(local.shape) != tuple(v.shape):
-                raise StateDictError(f"{leaf.fqn}: a sharded DTensor needs a distributed save")
-            _check_saveable(leaf.fqn, local)
-            plain[leaf.fqn] = local.detach()
-        elif isinstance(v, torch.Tensor):
-            _check_saveable(leaf.fqn, v)
-            plain[leaf.fqn] = v.detach()
-        else:
-            values.append((leaf.fqn, v))
-    stored, aliases, views, storages = _plan_sharing(plain)
-    shards = sharded + [ShardData(fqn=f, data=t, global_shape=tuple(t.shape), offsets=(0,) * t.dim())
-                        for f, t in stored.items()]
-    base_shards = [ShardData(fqn=n, data=t, global_shape=tuple(t.shape), offsets=(0,)) for n, t in storages.items()]
-    with CheckpointWriter(path, storage_options=storage_options, overwrite=overwrite, save_id=_save_id,
-                          clock=_clock, writer_versions=_writer_versions, chunk_size=chunk_size,
-                          sync=sync, on_step=_on_step, write_workers=write_workers, part_size=part_size) as w:
-        w.write_rank(0, shards, storages=base_shards)
-        for fqn, target in aliases.items():
-            w.add_alias(fqn, target)
-        for fqn, (_, view) in views.items():
-            t = plain[fqn]
-            w.add_view(fqn, dtype_code(t.dtype, what=fqn), tuple(t.shape), view)
-        for fqn, v in values:
-            if isinstance(v, PerRank):
-                w.add_value(fqn, per_rank={0: v.value})
-            else:
-                w.add_value(fqn, v)
-        return w.commit(step=step, metadata=metadata)
+    prepared = prepare(state_dict, 0)
+    if prepared.error is not None:
+        raise prepared.error
+    return run_save(prepared, path, group=None, step=step, metadata=metadata, overwrite=overwrite,
+                    storage_options=storage_options, chunk_size=chunk_size, sync=sync, mesh=mesh,
+                    write_workers=write_workers, part_size=part_size, _save_id=_save_id, _clock=_clock,
+                    _writer_versions=_writer_versions, _on_step=_on_step)
 
 
 # ----------------------------------------------------------------------------- load
@@ -264,6 +231,11 @@ def load(
     rank, world_size = _rank_and_world(rank, process_group)
     ckpt = open_checkpoint(path, storage_options=storage_options)
     m = ckpt.manifest
+    if world_size is None:  # ``rank=`` outside torch.distributed: that rank of the saving job
+        world_size = m.topology.world_size
+        if not 0 <= rank < world_size:
+            raise StateDictError(f"{ckpt.path}: rank={rank} is not a rank of the job that saved it "
+                                 f"(world size {world_size})")
     leaves = flatten(state_dict)
     targets: list[TargetSlice] = []
     dsts: list[torch.Tensor] = []
@@ -295,8 +267,9 @@ def load(
                 _plan_view(leaf.fqn, rec, m, pieces[0][0], pieces[0][1], targets, dsts, src_dtypes, posts)
                 continue
             for view, box in pieces:
+                _check_writable(leaf.fqn, view)
                 targets.append(TargetSlice(index=len(dsts), fqn=name, box=box))
-                dsts.append(view)
+                dsts.append(view.detach())  # filled in place, outside autograd (Parameters too)
                 src_dtypes.append(src_dtype)
         else:
             rec = m.values.get(leaf.fqn)
@@ -314,8 +287,11 @@ def load(
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
+    # through a bounce buffer: cast and strided targets, and targets sharing memory (tied
+    # weights): bytes read straight into shared memory could be overwritten before they are hashed
     bounce = frozenset(t.index for t in targets
-                       if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index]))
+                       if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index])) \
+        | _sharing_memory([dsts[t.index] for t in targets], [t.index for t in targets])
     if max_gap is None:
         max_gap = ckpt.storage.max_gap  # larger where a request costs a round trip (object stores)
     workers = max(workers, min(ckpt.storage.read_concurrency, 16)) if ckpt.storage.object_store else workers
@@ -325,8 +301,12 @@ def load(
     before = ckpt.storage.stats.snapshot()
     if verify:
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
-    Executor(ckpt.storage, ckpt.path, m.files, chunk_size=m.chunk_size, src_dtypes=src_dtypes,
-             targets=dsts, workers=workers).run(plan)
+    try:
+        Executor(ckpt.storage, ckpt.path, m.files, chunk_size=m.chunk_size, src_dtypes=src_dtypes,
+                 targets=dsts, workers=workers, bounce=bounce).run(plan)
+    except ShardfmtError as e:
+        raise type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
+                      "checkpoint's data and must not be used)") from None
     for p in posts:
         src = dsts[p.buf_index].as_strided(p.shape, p.stride, p.lo)
         with torch.no_grad():
@@ -342,6 +322,38 @@ def load(
         read_requests=after["read_requests"] - before["read_requests"],
         bytes_needed=plan.needed_bytes, stats=after,
     )
+
+
+def _check_writable(fqn: str, t: torch.Tensor) -> None:
+    """Refuse a target in which two elements are one memory location (``expand``-ed views)."""
+    overlap = getattr(torch, "_debug_has_internal_overlap", None)
+    if overlap is not None and t.numel() > 1 and overlap(t) == 1:
+        raise StateDictError(f"{fqn}: the target tensor has elements that share memory (an expanded or "
+                             "overlapping view); load into a tensor with its own memory")
+
+
+def _sharing_memory(tensors: list[torch.Tensor], indices: list[int]) -> frozenset[int]:
+    """The indices of CPU tensors whose memory spans overlap another's (a conservative test)."""
+    spans = []
+    for t, i in zip(tensors, indices):
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        lo = t.data_ptr()
+        spans.append((lo, lo + _extent(t) * t.element_size(), i))
+    spans.sort()
+    out: set[int] = set()
+    cluster: list[int] = []  # spans chained by overlaps: all of them bounce
+    reach = -1
+    for lo, hi, i in spans:
+        if lo >= reach:
+            if len(cluster) > 1:
+                out.update(cluster)
+            cluster = []
+        cluster.append(i)
+        reach = max(reach, hi)
+    if len(cluster) > 1:
+        out.update(cluster)
+    return frozenset(out)
 
 
 def _plan_view(fqn, rec, m: Manifest, dst, box: Box, targets, dsts, src_dtypes, posts) -> None:
@@ -362,12 +374,12 @@ def _plan_view(fqn, rec, m: Manifest, dst, box: Box, targets, dsts, src_dtypes, 
 _SKIP = object()
 
 
-def _rank_and_world(rank: int | None, process_group) -> tuple[int, int]:
+def _rank_and_world(rank: int | None, process_group) -> tuple[int, int | None]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         r = dist.get_rank(process_group)
         return (r if rank is None else rank), dist.get_world_size(process_group)
-    return (rank or 0), 1 if rank is None else max(rank + 1, 1)
+    return (rank or 0), (1 if rank is None else None)  # rank= alone: a rank of the saved job
 
 
 def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chunk: int, *,

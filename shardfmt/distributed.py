@@ -438,6 +438,8 @@ def run_save(
                                       part_size=part_size)
             status = {"ok": True, "rank": 0, "save_id": writer.save_id, "staging": writer.staging}
         except ShardfmtError as e:
+            if group is None:  # a world of one: the error itself, not a report of it
+                raise
             status = _err_payload(0, e)
         blob = orjson.dumps(status)
     else:
@@ -468,6 +470,9 @@ def run_save(
         # A snapshot counts only whole: pieces other ranks write must have been copied here too.
         prepared.wait_ready()
     except (ShardfmtError, OSError) as e:
+        if group is None:
+            writer.abort()
+            raise
         result = _err_payload(rank, e)
     except BaseException:
         if writer is not None:

@@ -580,6 +580,15 @@ def _manifest_fields(o: dict) -> Manifest:
             extent = rec.view.storage_offset + sum((n - 1) * s for n, s in zip(rec.shape, rec.view.stride)) + 1
             if math.prod(rec.shape) and extent > base.shape[0]:
                 raise _fail(f"tensors[{name!r}].view", f"reaches element {extent - 1} of a {base.shape[0]}-element storage")
+    seen_keys: dict[tuple[str, str], str] = {}  # (file, key) -> the record that uses it
+    for kind, recs in (("tensors", tensors), ("storages", storages)):
+        for name, rec in recs.items():
+            for i, sh in enumerate(rec.shards):
+                where = f"{kind}[{name!r}].shards[{i}]"
+                first = seen_keys.setdefault((sh.file, sh.key), where)
+                if first != where:
+                    raise _fail(where + ".key", f"key {sh.key!r} of {sh.file} is used by {first} too "
+                                "(a key is unique within its file)")
     for name, rec in storages.items():
         if rec.alias_of is not None or rec.view is not None or len(rec.shape) != 1:
             raise _fail(f"storages[{name!r}]", "a storage must be a 1-D tensor stored in shards")

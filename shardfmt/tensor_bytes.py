@@ -20,7 +20,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """Return a writable memoryview over a contiguous CPU tensor's bytes."""
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    flat = t.reshape(-1).view(torch.uint8)
+    # as_strided, not reshape: a contiguous tensor may still carry a non-unit stride on a
+    # dimension of size 1 (``zeros(1, 2)[:, 0]``), which ``view(uint8)`` refuses
+    flat = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 
 

@@ -1,0 +1,108 @@
+"""The tensors a user hands to ``load``: tied, strided, autograd leaves, expanded, offline ranks."""
+
+import os
+
+import pytest
+import torch
+
+import shardfmt
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_targets_load_from_a_checkpoint_that_stores_them_apart(tmp_path, workers, same):
+    """Tied weights (one tensor under two names) loaded from a checkpoint holding two tensors:
+    bytes read for one name must not be overwritten by the other's before they are hashed."""
+    path = str(tmp_path / "ck")
+    emb = torch.arange(4096, dtype=torch.float32)
+    head = emb.clone() if same else -emb
+    shardfmt.save({"emb": emb, "head": head, "other": torch.ones(300)}, path)
+    tied = torch.zeros(4096)
+    other = torch.zeros(300)
+    rep = shardfmt.load({"emb": tied, "head": tied, "other": other}, path, workers=workers)
+    assert rep.loaded == ("emb", "head", "other")
+    assert torch.equal(tied, emb) or torch.equal(tied, head)
+    assert torch.equal(other, torch.ones(300))
+
+
+class _LM(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(64, 64, bias=False)
+        self.head = torch.nn.Linear(64, 64, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_checkpointer_restores_an_untied_checkpoint_into_a_tied_model(tmp_path):
+    """The fallback must not take a reader's mistake for corruption (and quarantine the checkpoint)."""
+    root = str(tmp_path / "run")
+    untied = _LM(tie=False)
+    with torch.no_grad():
+        untied.head.weight.copy_(untied.emb.weight)
+    shardfmt.Checkpointer(root).save(1, {"model": untied})
+    tied = _LM(tie=True)
+    assert shardfmt.Checkpointer(root).restore({"model": tied}) == 1
+    assert torch.equal(tied.emb.weight, untied.emb.weight)
+    assert sorted(os.listdir(root)) == ["step_000000001"]
+
+
+def test_one_element_views_with_a_non_unit_stride(tmp_path):
+    """``zeros(1, 2)[:, 0]`` is contiguous by torch's rule but its stride is 2."""
+    path = str(tmp_path / "ck")
+    src = torch.tensor([[5.0, 6.0]])[:, 0]
+    assert src.is_contiguous() and src.stride() == (2,)
+    shardfmt.save({"one": src, "w": torch.arange(4.0)}, path)
+    one = torch.zeros(1, 2)[:, 0]
+    piece = torch.zeros(1, 2)
+    shardfmt.load({"one": one, "w": shardfmt.ShardedTensor(piece[:, 1], (4,), (3,))}, path)
+    assert one.tolist() == [5.0] and piece.tolist() == [[0.0, 3.0]]
+
+
+def test_parameters_load_in_place_through_casts_and_strided_views(tmp_path):
+    path = str(tmp_path / "ck")
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    shardfmt.save({"w": w, "b": torch.arange(4, dtype=torch.float32)}, path)
+    p_t = torch.nn.Parameter(torch.zeros(4, 3)).t()  # a transposed view of a leaf that requires grad
+    p_b = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    shardfmt.load({"w": p_t, "b": p_b}, path, cast=True)
+    assert torch.equal(p_t.detach(), w) and p_b.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert p_b.requires_grad and p_b.grad_fn is None
+
+
+def test_an_expanded_target_is_refused_before_anything_is_read(tmp_path):
+    path = str(tmp_path / "ck")
+    shardfmt.save({"v": torch.arange(4.0), "w": torch.ones(3, 4)}, path)
+    v = torch.full((4,), -1.0)
+    with pytest.raises(shardfmt.StateDictError, match="w: the target tensor has elements that share memory"):
+        shardfmt.load({"v": v, "w": torch.zeros(4).expand(3, 4)}, path)
+    assert v.tolist() == [-1.0] * 4
+
+
+def test_rank_given_offline_is_a_rank_of_the_saving_job(tmp_path):
+    path = str(tmp_path / "ck")
+    w = shardfmt.CheckpointWriter(path)
+    full = torch.arange(8.0)
+    for r in range(4):
+        w.write_rank(r, [shardfmt.ShardData(fqn="w", data=full[2 * r:2 * r + 2], global_shape=(8,), offsets=(2 * r,))])
+    w.add_value("rng", per_rank={r: f"state-{r}" for r in range(4)})
+    w.commit()
+    for r in range(4):
+        sd = {"w": shardfmt.ShardedTensor(torch.zeros(2), (8,), (2 * r,)), "rng": shardfmt.PerRank(None)}
+        shardfmt.load(sd, path, rank=r)
+        assert sd["rng"].value == f"state-{r}" and sd["w"].local.tolist() == [2.0 * r, 2.0 * r + 1]
+    with pytest.raises(shardfmt.StateDictError, match="rank=4 is not a rank of the job that saved it"):
+        shardfmt.load({"rng": shardfmt.PerRank(None)}, path, rank=4)
+
+
+def test_a_failed_verification_says_the_targets_may_hold_partial_data(tmp_path):
+    path = str(tmp_path / "ck")
+    shardfmt.save({"w": torch.arange(4096.0)}, path, chunk_size=4096)
+    f = os.path.join(path, "data", "rank_00000.safetensors")
+    with open(f, "r+b") as fh:
+        fh.seek(9000)
+        b = fh.read(1)
+        fh.seek(9000)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.raises(shardfmt.IntegrityError, match="chunk 2 .*may hold part of the checkpoint's data"):
+        shardfmt.load({"w": torch.zeros(4096)}, path)
