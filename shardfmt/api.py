@@ -31,7 +31,7 @@ from .dtypes import dtype_code, torch_dtype
 from .errors import DTypeError, MissingKeyError, ShapeError, ShardfmtError, StateDictError
 from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
-from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten, set_leaf
+from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, check_settable, flatten, set_leaf
 from .tensor_bytes import is_direct
 from .writer import DEFAULT_PART_SIZE
 
@@ -55,6 +55,9 @@ class LoadReport:
 def _check_saveable(fqn: str, t: torch.Tensor) -> None:
     if t.device.type == "meta":
         raise StateDictError(f"{fqn}: a meta tensor has no data to save")
+    if t.is_nested:
+        raise StateDictError(f"{fqn}: nested tensors cannot be saved; save their components "
+                             "(unbind()) as separate tensors")
     if t.is_sparse or t.layout != torch.strided:
         raise StateDictError(f"{fqn}: only dense (strided) tensors can be saved, got layout {t.layout}")
     dtype_code(t.dtype, what=fqn)
@@ -248,6 +251,8 @@ def load(
         v = leaf.value
         if isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v):
             if leaf.fqn not in m.tensors:
+                if leaf.fqn in m.values:
+                    raise StateDictError(f"{leaf.fqn}: the checkpoint holds a value here, not a tensor")
                 missing.append(leaf.fqn)
                 continue
             dst, pieces, gshape = _targets_of(leaf)
@@ -258,6 +263,9 @@ def load(
             if dst.dtype != src_dtype and not cast:
                 raise DTypeError(f"{leaf.fqn}: target dtype {dst.dtype} != checkpoint dtype {src_dtype} "
                                  "(pass cast=True to convert)")
+            if src_dtype.is_complex and not dst.dtype.is_complex:
+                raise DTypeError(f"{leaf.fqn}: casting the checkpoint's {src_dtype} to {dst.dtype} would drop "
+                                 "the imaginary part")
             if dst.device.type == "meta":
                 raise StateDictError(f"{leaf.fqn}: cannot load into a meta tensor; materialise it first")
             loaded.append(leaf.fqn)
@@ -273,7 +281,12 @@ def load(
                 src_dtypes.append(src_dtype)
         else:
             rec = m.values.get(leaf.fqn)
+            if rec is not None:
+                check_settable(leaf)
             if rec is None:
+                if leaf.fqn in m.tensors:
+                    raise StateDictError(f"{leaf.fqn}: the checkpoint holds a tensor here; pass a tensor to "
+                                         f"load it into (got {type(v).__name__})")
                 missing.append(leaf.fqn)
                 continue
             if isinstance(v, PerRank) or rec.per_rank is not None:

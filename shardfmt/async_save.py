@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import hashing
+from . import hashing, jsonvalue
 from .errors import CommitError, ShardfmtError, StateDictError
 from .manifest import Manifest
 
@@ -390,6 +390,8 @@ def async_save(
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     t0 = time.perf_counter()
+    if metadata is not None:  # part of the snapshot: a change after the call must not reach the manifest
+        metadata = jsonvalue.decode(jsonvalue.encode(metadata, where="metadata"), where="metadata")
     stager = stager or default_stager(process_group)
     distributed = in_distributed_job(process_group)
     prev = stager.inflight

@@ -55,7 +55,7 @@ from .retention import (
     step_dir_name,
     to_delete,
 )
-from .roots import CheckpointInfo, collect_garbage, list_steps
+from .roots import CheckpointInfo, checkpoint_status, collect_garbage, list_steps
 from .state import PerRank
 from .storage import get_storage
 
@@ -154,7 +154,7 @@ class Checkpointer:
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
 
     # ------------------------------------------------------------------ state <-> dicts
-    def _state_dicts(self, state: Mapping[str, Any]) -> tuple[dict, dict]:
+    def _state_dicts(self, state: Mapping[str, Any], *, saving: bool = False) -> tuple[dict, dict]:
         """Return (saveable dict, signature) for ``state``'s entries."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -170,7 +170,11 @@ class Checkpointer:
                 out[name] = get_model_state_dict(obj)
             elif _is_optimizer(obj):
                 model = _owner(obj, models, name)
-                out[name] = get_optimizer_state_dict(model, obj)
+                fresh = not obj.state
+                out[name] = get_optimizer_state_dict(model, obj)  # a fresh optimizer gets its state made
+                if saving and fresh and obj.state:
+                    out[name] = _unstepped(out[name])
+                    obj.state.clear()  # that state was made for the save: the optimizer stays as it was
             elif hasattr(obj, "state_dict"):
                 out[name] = obj.state_dict()
             else:
@@ -189,7 +193,14 @@ class Checkpointer:
         for ``policy`` and ``stage``). ``latest()`` names the new step only once committed;
         ``wait()`` blocks until every background save has finished.
         """
-        sd, signature = self._state_dicts(state)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise StateDictError(f"step must be an int >= 0, got {step!r}")
+        for h in self._pending:
+            if h.done() and h.exception() is not None and not getattr(h, "_reported", False):
+                h._reported = True
+                warnings.warn(f"the background save to {h.path} failed (wait() raises it): {h.exception()}",
+                              stacklevel=2)
+        sd, signature = self._state_dicts(state, saving=True)
         samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
         if samplers and self._dist():
             seen = self._all_gather([int(s.consumed) for s in samplers])
@@ -216,7 +227,8 @@ class Checkpointer:
                 self._stager = Stager()
             handle = async_save(sd, url, stager=self._stager, policy=policy, stage=stage,
                                 on_commit=self._after_async_commit, **common)
-            self._pending = [h for h in self._pending if not h.done()] + [handle]
+            # a failed save is kept until wait() raises it
+            self._pending = [h for h in self._pending if not h.done() or h.exception() is not None] + [handle]
             return handle
         self._wait_saves()
         save(sd, url, **common)
@@ -441,6 +453,13 @@ class Checkpointer:
                 warnings.warn(f"{storage.url(root)}: cannot list checkpoints: {e}", stacklevel=3)
                 continue
             seen_any = seen_any or bool(infos)
+            if tier == "root":
+                for i in infos:
+                    if i.status == "corrupt":  # committed, then torn (a file missing or truncated, a bad manifest)
+                        why = checkpoint_status(storage, i.path)[3]
+                        warnings.warn(f"checkpoint {storage.url(i.path)} is unusable, quarantined: {why}",
+                                      stacklevel=3)
+                        self._quarantine(i.path, why)
             out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
         return {"candidates": out, "any": seen_any}
 
@@ -498,10 +517,23 @@ class Checkpointer:
         not_restored = sorted(saved_entries - set(state))
         if not_restored:
             warnings.warn(f"saved but not restored: {', '.join(not_restored)}", stacklevel=3)
+        not_saved = sorted(set(state) - saved_entries) if saved_entries else []
+        if not_saved:
+            warnings.warn(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=3)
         unread = [k for k in report.unexpected if k.split(".", 1)[0] in state and not k.startswith(RNG_KEY)]
         if unread:
             warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
                           stacklevel=3)
+
+
+def _unstepped(osd: dict) -> dict:
+    """An optimizer state dict made by a zero-gradient step (torch's way of creating the state of
+    an optimizer that never stepped), with its step counts back at zero: loading it resumes
+    exactly like the fresh optimizer it was taken from."""
+    state = {k: {n: (torch.zeros_like(v) if n == "step" and isinstance(v, torch.Tensor) else 0 if n == "step" else v)
+                 for n, v in per.items()}
+             for k, per in osd.get("state", {}).items()}
+    return {**osd, "state": state}
 
 
 def _owner(opt, models: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module:

@@ -105,7 +105,9 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
             _clear_leftover(storage, path, overwrite=overwrite,
                             lease=storage.lease_seconds if lease_seconds is None else lease_seconds,
                             now=time.time() if now is None else now)
-        elif storage.isdir(path) and storage.listdir(path) and not overwrite:
+        elif not storage.isdir(path):  # never replaced, not even with overwrite: it is no checkpoint
+            raise CheckpointExistsError(f"{path}: is a file, not a checkpoint directory; refusing to replace it")
+        elif storage.listdir(path) and not overwrite:
             raise CheckpointExistsError(
                 f"{path}: exists, is not empty and is not a committed checkpoint; refusing to replace it "
                 "(pass overwrite=True / --overwrite)"

@@ -202,6 +202,8 @@ def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[
                                    [(Box(v.offsets, tuple(v.local.shape)), v.local.detach())])
         elif isinstance(v, torch.Tensor):
             _check_saveable(leaf.fqn, v)
+            if v.is_conj() or v.is_neg():  # lazily conjugated/negated: not its storage's bytes, share nothing
+                v = v.resolve_conj().resolve_neg()
             plain[leaf.fqn] = v.detach()
         elif isinstance(v, PerRank):
             per_rank[leaf.fqn] = jsonvalue.encode(v.value, where=leaf.fqn)

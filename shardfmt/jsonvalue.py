@@ -51,9 +51,13 @@ def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
         if _I64_MIN <= value <= _I64_MAX:
             return int(value)
         try:
-            return {"$int": str(int(value))}
-        except ValueError:
-            raise EncodingError(f"{where}: integer with more than 4300 digits cannot be stored") from None
+            text = str(int(value))
+        except ValueError:  # Python's own limit on int -> str
+            text = ""
+        if not text or len(text) > 4300:
+            raise EncodingError(f"{where}: an integer of more than 4300 characters (sign included) "
+                                "cannot be stored")
+        return {"$int": text}
     if isinstance(value, float) and not isinstance(value, np.floating):
         if math.isfinite(value):
             return float(value)
@@ -77,7 +81,7 @@ def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NP_KINDS:
             raise EncodingError(f"{where}: numpy array of dtype {value.dtype} cannot be stored")
-        arr = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False)
+        arr = np.asarray(value, order="C").astype(value.dtype.newbyteorder("<"), copy=False)  # keeps 0-d
         return {
             "$ndarray": {
                 "dtype": arr.dtype.str,

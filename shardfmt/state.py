@@ -132,9 +132,14 @@ def flatten(state_dict: Any) -> list[Leaf]:
     return [leaves[k] for k in sorted(leaves)]
 
 
+def check_settable(leaf: Leaf) -> None:
+    """Raise unless ``set_leaf`` can replace this leaf (asked before a load reads anything)."""
+    if not hasattr(type(leaf.container), "__setitem__"):
+        raise StateDictError(f"{leaf.fqn}: cannot replace a value inside an immutable "
+                             f"{type(leaf.container).__name__}; hold it in a list or dict")
+
+
 def set_leaf(leaf: Leaf, value: Any) -> None:
     """Replace a non-tensor leaf in the caller's structure."""
-    try:
-        leaf.container[leaf.key] = value
-    except TypeError:
-        raise StateDictError(f"{leaf.fqn}: cannot replace a value inside an immutable {type(leaf.container).__name__}") from None
+    check_settable(leaf)
+    leaf.container[leaf.key] = value

@@ -176,6 +176,17 @@ def test_errors_surface_on_wait_or_at_the_call(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_metadata_is_part_of_the_snapshot(tmp_path):
+    meta = {"note": "before", "lr": [0.1]}
+    h = shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "c"), metadata=meta, stager=shardfmt.Stager())
+    meta["note"] = "after"
+    meta["lr"].append(0.2)
+    assert h.wait().metadata == {"note": "before", "lr": [0.1]}
+    assert shardfmt.read_manifest(str(tmp_path / "c")).metadata == {"note": "before", "lr": [0.1]}
+    with pytest.raises(shardfmt.EncodingError, match="metadata"):  # and a bad one fails the call itself
+        shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "d"), metadata={"x": object()})
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -163,3 +163,86 @@ def test_optimizer_without_a_step_and_meta_model(tmp_path):
     fresh = make()
     assert Checkpointer(str(tmp_path)).restore(fresh) == 0
     assert fresh["sched"].last_epoch == 0 and fresh["sampler"].consumed == 0
+
+
+def test_a_torn_newest_checkpoint_is_quarantined_and_its_step_can_be_saved_again(tmp_path):
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(2, 2)
+    ck = Checkpointer(root)
+    ck.save(100, {"model": m})
+    ck.save(200, {"model": m})
+    data = os.path.join(root, "step_000000200", "data")
+    f = os.path.join(data, os.listdir(data)[0])
+    os.truncate(f, os.path.getsize(f) - 8)
+    with pytest.warns(UserWarning, match="step_000000200 is unusable, quarantined"):
+        assert ck.restore({"model": m}) == 100
+    assert [n for n in sorted(os.listdir(root)) if not n.startswith("step_000000200.corrupt-")] == ["step_000000100"]
+    ck.save(200, {"model": m})  # training reaches step 200 again
+    assert ck.latest().endswith("step_000000200")
+
+
+def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_path, monkeypatch):
+    import shardfmt.distributed as D
+
+    real = D.run_save
+
+    def failing(prepared, path, **kw):
+        if path.endswith("step_000000001"):
+            raise shardfmt.CommitError(f"{path}: injected failure")
+        return real(prepared, path, **kw)
+
+    monkeypatch.setattr(D, "run_save", failing)
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(2, 2)
+    ck = Checkpointer(root)
+    h1 = ck.save(1, {"model": m}, async_=True)
+    with pytest.raises(shardfmt.CommitError):
+        h1.wait()
+    with pytest.warns(UserWarning, match="step_000000001 failed"):
+        ck.save(2, {"model": m}, async_=True)
+    with pytest.raises(shardfmt.CommitError, match="injected failure"):
+        ck.wait()
+    ck.wait()  # raised once
+    assert os.listdir(root) == ["step_000000002"]
+
+
+def test_saving_before_the_first_optimizer_step_changes_nothing(tmp_path):
+    def train(save_first: bool):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        o = torch.optim.Adam(m.parameters(), lr=0.1)
+        if save_first:
+            Checkpointer(str(tmp_path / "run")).save(0, {"model": m, "optim": o})
+            assert not o.state
+        for _ in range(3):
+            o.zero_grad()
+            m(torch.ones(4, 3)).sum().backward()
+            o.step()
+        return m.weight.detach().clone()
+
+    assert torch.equal(train(False), train(True))
+    # and the step-0 checkpoint resumes like a fresh optimizer
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    assert Checkpointer(str(tmp_path / "run")).restore({"model": m, "optim": o}) == 0
+    for _ in range(3):
+        o.zero_grad()
+        m(torch.ones(4, 3)).sum().backward()
+        o.step()
+    assert torch.equal(m.weight.detach(), train(False))
+
+
+@pytest.mark.parametrize("step", ["5", -1, 1.5, True])
+def test_a_bad_step_is_a_typed_error(tmp_path, step):
+    with pytest.raises(shardfmt.StateDictError, match="step must be an int >= 0"):
+        Checkpointer(str(tmp_path / "run")).save(step, {"model": torch.nn.Linear(2, 2)})
+
+
+def test_restore_names_entries_the_checkpoint_does_not_hold(tmp_path):
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(2, 2)
+    Checkpointer(root).save(10, {"model": m})
+    sampler = ResumableSampler(100, seed=0)
+    with pytest.warns(UserWarning, match="not in the checkpoint, left as they are: sampler"):
+        assert Checkpointer(root).restore({"model": m, "sampler": sampler}) == 10

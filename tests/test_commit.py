@@ -161,3 +161,13 @@ def test_two_saves_of_one_path_race_safely(tmp_path):
         second.commit()
     assert torch.equal(_value(path), OLD)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_save_onto_a_regular_file_leaves_the_file(tmp_path, overwrite):
+    f = tmp_path / "notes.txt"
+    f.write_text("my notes\n")
+    with pytest.raises(shardfmt.CheckpointExistsError, match="notes.txt: is a file, not a checkpoint directory"):
+        shardfmt.save({"w": torch.ones(2)}, str(f), overwrite=overwrite)
+    assert f.read_text() == "my notes\n"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]

@@ -106,3 +106,22 @@ def test_a_failed_verification_says_the_targets_may_hold_partial_data(tmp_path):
         fh.write(bytes([b[0] ^ 1]))
     with pytest.raises(shardfmt.IntegrityError, match="chunk 2 .*may hold part of the checkpoint's data"):
         shardfmt.load({"w": torch.zeros(4096)}, path)
+
+
+def test_a_tensor_where_a_value_was_saved_and_back_are_named(tmp_path):
+    path = str(tmp_path / "ck")
+    shardfmt.save({"w": torch.ones(2), "step": 3}, path)
+    with pytest.raises(shardfmt.StateDictError, match="step: the checkpoint holds a value here, not a tensor"):
+        shardfmt.load({"step": torch.zeros(1)}, path)
+    with pytest.raises(shardfmt.StateDictError, match="w: the checkpoint holds a tensor here"):
+        shardfmt.load({"w": None}, path)
+
+
+def test_a_cast_that_would_drop_the_imaginary_part_is_refused(tmp_path):
+    path = str(tmp_path / "ck")
+    shardfmt.save({"z": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)}, path)
+    with pytest.raises(shardfmt.DTypeError, match="z: .*imaginary part"):
+        shardfmt.load({"z": torch.zeros(2)}, path, cast=True)
+    out = torch.zeros(2, dtype=torch.complex128)
+    shardfmt.load({"z": out}, path, cast=True)
+    assert out.tolist() == [1 + 2j, 3 - 1j]

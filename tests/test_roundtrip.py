@@ -269,3 +269,45 @@ def test_per_rank_value_comes_back(ckpt_dir):
     assert out["rng"] == (1, 2, 3)
     with pytest.raises(shardfmt.StateDictError, match="rank=1 is not a rank of the job"):
         shardfmt.load({"rng": None}, ckpt_dir, rank=1)
+
+
+def test_a_tensor_and_its_lazy_conjugate_are_saved_apart(ckpt_dir):
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    shardfmt.save({"a": x, "b": x.conj(), "c": -x[:1]}, ckpt_dir)
+    out = {k: torch.zeros(n, dtype=torch.complex64) for k, n in (("a", 2), ("b", 2), ("c", 1))}
+    shardfmt.load(out, ckpt_dir)
+    assert out["a"].tolist() == [1 + 2j, 3 - 4j]
+    assert out["b"].tolist() == [1 - 2j, 3 + 4j]
+    assert out["c"].tolist() == [-1 - 2j]
+
+
+def test_a_zero_dim_numpy_value_keeps_its_shape(ckpt_dir):
+    shardfmt.save({"a": np.array(3.5), "b": np.arange(6, dtype=np.int16).reshape(2, 3)[:, ::2]}, ckpt_dir)
+    out = {"a": None, "b": None}
+    shardfmt.load(out, ckpt_dir)
+    assert out["a"].shape == () and out["a"] == 3.5
+    assert out["b"].tolist() == [[0, 2], [3, 5]]
+
+
+def test_integers_at_the_format_limit(ckpt_dir):
+    ok = -(10 ** 4298)  # 4300 characters with its sign
+    shardfmt.save({"n": ok}, ckpt_dir)
+    out = {"n": None}
+    shardfmt.load(out, ckpt_dir)
+    assert out["n"] == ok
+    with pytest.raises(shardfmt.EncodingError, match="more than 4300 characters"):
+        shardfmt.save({"n": -(10 ** 4299)}, ckpt_dir + "_2")
+
+
+def test_a_nested_tensor_is_a_typed_error(ckpt_dir):
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(shardfmt.StateDictError, match="w: nested tensors cannot be saved"):
+        shardfmt.save({"w": nt}, ckpt_dir)
+
+
+def test_a_value_inside_a_tuple_is_refused_before_anything_is_read(ckpt_dir):
+    shardfmt.save({"x": (torch.ones(2), 5)}, ckpt_dir)
+    out = {"x": (torch.zeros(2), 0)}
+    with pytest.raises(shardfmt.StateDictError, match="x.1: cannot replace a value inside an immutable tuple"):
+        shardfmt.load(out, ckpt_dir)
+    assert out["x"][0].tolist() == [0.0, 0.0]
