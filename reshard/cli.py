@@ -2,8 +2,10 @@
 ``convert`` rewrites a checkpoint for a new mesh; ``export-hf`` / ``import-hf`` move between
 shardfmt and the Hugging Face safetensors layout; ``import-dcp`` reads a DCP checkpoint.
 
-Exit codes: 0 success, 1 the checkpoint or plan is unusable, 2 bad arguments or an
-unreachable path. Errors print one line to stderr, never a traceback.
+Exit codes: 0 success, 1 the checkpoint or plan is unusable, 2 bad arguments (a destination
+that is, holds or lies inside the source included) or an unreachable path, 130 interrupted
+(Ctrl-C), 141 stdout closed early (``| head``). Errors print one line to stderr, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import orjson
 
+from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, ShardfmtError, StorageError
 from shardfmt.storage import parse_storage_options
 
@@ -43,7 +46,9 @@ def targets_for_rank(manifest, mesh: Mesh, rank: int, *, layouts=None) -> list[T
 def cmd_plan(args) -> int:
     from shardfmt.reader import open_checkpoint
 
-    mesh = Mesh.parse(args.mesh)
+    from .convert import parse_mesh
+
+    mesh = parse_mesh(args.mesh)
     if not 0 <= args.rank < mesh.world_size:
         print(f"reshard: error: --rank {args.rank} is outside a mesh of {mesh.world_size} ranks", file=sys.stderr)
         return 2
@@ -111,7 +116,8 @@ def cmd_convert(args) -> int:
     for i in rep.unused_rules:
         print(f"reshard: note: rule {i} of {args.rules} matched no tensor", file=sys.stderr)
     read = f", read {rep.bytes_read / rep.source_bytes:.2f}x the source" if rep.source_bytes else ""
-    print(f"converted {args.src} -> {args.dst}: {rep.src_world} -> {rep.world} ranks ({args.mesh}), {rep.files} "
+    mesh = Mesh(rep.manifest.topology.mesh)
+    print(f"converted {args.src} -> {args.dst}: {rep.src_world} -> {rep.world} ranks ({mesh}), {rep.files} "
           f"files, {_summary(rep.bytes_written, rep.seconds)}{read}; validated and committed")
     return 0
 
@@ -154,6 +160,21 @@ def cmd_import_hf(args) -> int:
     return 0
 
 
+def _int_at_least(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi] (argparse reports anything else, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < lo or (hi is not None and v > hi):
+            upto = f" and <= {hi}" if hi is not None else ""
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}{upto}, got {text!r}")
+        return v
+
+    return parse
+
+
 def _opts(args):
     return parse_storage_options(getattr(args, "storage_options", None))
 
@@ -177,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
     pl.add_argument("--rank", type=int, required=True)
     pl.add_argument("--no-verify", action="store_true", help="plan without rounding reads to hash chunks")
-    pl.add_argument("--max-gap", type=int, default=DEFAULT_MAX_GAP, help="coalesce reads across gaps up to N bytes")
-    pl.add_argument("--max-read", type=int, default=DEFAULT_MAX_READ, help="largest single read in bytes")
+    pl.add_argument("--max-gap", type=_int_at_least(0), default=DEFAULT_MAX_GAP,
+                    help="coalesce reads across gaps up to N bytes (0: never)")
+    pl.add_argument("--max-read", type=_int_at_least(1), default=DEFAULT_MAX_READ, help="largest single read in bytes")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--storage-options", metavar="JSON")
     pl.set_defaults(func=cmd_plan)
@@ -194,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("dst", help="shardfmt checkpoint to create")
     di.add_argument("--trust-pickle", action="store_true",
                     help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
-    di.add_argument("--step", type=int, help="training step to record in the manifest")
+    di.add_argument("--step", type=_int_at_least(0, 1 << 62),  # the manifest's range (spec section 4)
+                    help="training step to record in the manifest")
     di.add_argument("--memory-budget", type=int, default=1 << 30, metavar="BYTES",
                     help="tensor bytes held at once; each rank's file is split into parts of at most this "
                          "(a larger single chunk is a part of its own; default 1 GiB)")
@@ -250,7 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return rc
+    except BrokenPipeError:
+        return stdout_closed()
+    except KeyboardInterrupt:
+        return 130
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"reshard: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -331,13 +332,13 @@ def convert(
     """
     if per_rank not in ("drop", "error"):
         raise ValueError(f"per_rank must be 'drop' or 'error', got {per_rank!r}")
-    mesh = _mesh(mesh)
+    mesh = parse_mesh(mesh)
     budget = parse_size(memory_budget, what="memory budget")
     cast = parse_dtype(dtype)
     if isinstance(rules, (str, os.PathLike)):
         rules = load_rules(os.fspath(rules))
+    refuse_overlap(*get_storage(src, storage_options), dst, storage_options)
     ckpt = open_checkpoint(src, storage_options=storage_options)
-    _refuse_same(ckpt.storage, ckpt.path, dst, storage_options)
     m = ckpt.manifest
     layouts, unused = plan_layouts(stored_records(m), mesh, rules)
     values: dict[str, ValueRecord] = {}
@@ -363,7 +364,9 @@ def convert(
                          unused_rules=unused)
 
 
-def _mesh(mesh) -> Mesh:
+def parse_mesh(mesh: str | Mapping[str, int] | Mesh) -> Mesh:
+    """A ``Mesh`` from ``"pp=2,tp=4"``, a mapping or a Mesh; a bad one is a ValueError (the
+    command-line tools' exit 2: a bad argument)."""
     if isinstance(mesh, Mesh):
         return mesh
     try:
@@ -372,10 +375,38 @@ def _mesh(mesh) -> Mesh:
         raise ValueError(f"mesh: {e}") from None
 
 
-def _refuse_same(storage: Storage, path: str, dst: str, storage_options: dict | None) -> None:
+class OverlapError(ShardfmtError, ValueError):
+    """The destination is the source, holds it or lies inside it: writing it would destroy or
+    change what is being read."""
+
+
+def refuse_overlap(storage: Storage, path: str, dst: str, storage_options: dict | None) -> None:
+    """Raise OverlapError when ``dst`` is the source at ``path`` on ``storage``, a directory
+    holding it (a checkpoint root holding it as a step) or a path inside it: replacing ``dst``
+    (``overwrite``) would delete the source. Local paths are compared resolved (symlinks,
+    ``..``); URLs by protocol and path."""
     dst_storage, dst_path = get_storage(dst, storage_options)
-    if type(dst_storage) is type(storage) and dst_storage.url(dst_path).rstrip("/") == storage.url(path).rstrip("/"):
-        raise ValueError(f"{dst}: the destination is the source checkpoint; write to a new path")
+    src_loc, dst_loc = _location(storage, path), _location(dst_storage, dst_path)
+    n = min(len(src_loc), len(dst_loc))
+    if src_loc[:n] != dst_loc[:n]:
+        return
+    src = storage.url(path)
+    if len(dst_loc) == len(src_loc):
+        raise OverlapError(f"{dst}: the destination is the source {src}; write to a new path")
+    if len(dst_loc) < len(src_loc):
+        raise OverlapError(f"{dst}: the destination holds the source {src} (replacing it would delete the "
+                           "source); write to a new path")
+    raise OverlapError(f"{dst}: the destination lies inside the source {src}; write to a path outside it")
 
 
-__all__ = ["ConvertReport", "RankFile", "ShardfmtError", "convert", "plan_convert", "write_checkpoint"]
+def _location(storage: Storage, path: str) -> tuple[str, ...]:
+    """Where ``path`` is, as comparable parts: ("file", resolved local path parts...) or
+    (protocol, bucket, key parts...)."""
+    if getattr(storage, "protocol", "file") in ("file", "local"):  # LocalStorage, fsspec's local filesystem
+        return ("file", *PurePath(os.path.realpath(path)).parts)
+    protocol, _, rest = storage.url(path).partition("://")
+    return (protocol, *(p for p in rest.split("/") if p))
+
+
+__all__ = ["ConvertReport", "OverlapError", "RankFile", "ShardfmtError", "convert", "parse_mesh", "plan_convert",
+           "refuse_overlap", "write_checkpoint"]

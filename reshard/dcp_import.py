@@ -5,8 +5,9 @@ chunks, and where each item's bytes are) and ``__<rank>_<n>.distcp`` files, each
 concatenation of items: a tensor chunk or a non-tensor value, each ``torch.save``d, possibly
 through a stream transform (compression). Protocol of ``import_dcp``:
 
-1) refuse unless the caller states ``trust_pickle=True``; read ``.metadata`` through the
-   allowlist unpickler of ``dcp_metadata`` (a file that names any other global is refused);
+1) refuse unless the caller states ``trust_pickle=True``, and a DST that is SRC, holds it or
+   lies inside it; read ``.metadata`` through the allowlist unpickler of ``dcp_metadata`` (a
+   file that names any other global is refused);
 2) stat every ``.distcp`` file the metadata names, then ``plan_import`` (pure): check every
    chunk has a stored item inside its file, the chunks of every tensor tile it, the dtypes
    are storable; map each file to its writer's rank (``__1_0.distcp`` -> rank 1); cut each
@@ -57,12 +58,13 @@ from shardfmt.storage import Storage, get_storage
 from shardfmt.tensor_bytes import BufferFile
 from shardfmt.writer import CheckpointWriter, ShardData
 
+from .convert import refuse_overlap
 from .dcp_metadata import DcpLocation, DcpMetadata, parse_metadata
 from .geometry import Box, tiling_problems
+from .topology import MAX_WORLD
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # decoded tensor bytes held at once (one part of a rank's file)
 METADATA_LIMIT = 1 << 31  # largest .metadata read
-MAX_WORLD = 1 << 24  # ranks the manifest can name (spec section 12)
 _CRC_READ = 16 << 20  # bytes per read while checking a zip member's CRC
 _RANK_FILE = re.compile(r"__(0|[1-9][0-9]{0,7})_(0|[1-9][0-9]*)\.distcp")
 
@@ -464,6 +466,7 @@ def import_dcp(
     if trust_pickle is not True:
         raise DcpImportError(f"{src}: refusing to read DCP metadata without trust_pickle=True. {TRUST_PICKLE_HELP}")
     storage, root = get_storage(src, storage_options)
+    refuse_overlap(storage, root, dst, storage_options)
     meta_path = storage.join(root, ".metadata")
     try:
         data = storage.read_bytes(meta_path, limit=METADATA_LIMIT)

@@ -52,7 +52,14 @@ from shardfmt.safetensors_io import PREFIX_BYTES, decode_header, encode_header, 
 from shardfmt.storage import Storage, get_storage
 from shardfmt.writer import FileStream
 
-from .convert import _mesh, _refuse_same, out_dtype, parse_dtype, stored_records, write_checkpoint
+from .convert import (
+    out_dtype,
+    parse_dtype,
+    parse_mesh,
+    refuse_overlap,
+    stored_records,
+    write_checkpoint,
+)
 from .geometry import Box, box_spans
 from .rules import Rules, load_rules, plan_layouts
 from .stream import (
@@ -87,6 +94,11 @@ _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 class HFError(ShardfmtError):
     """An HF directory is malformed, or an export cannot be made as asked."""
+
+
+class ConfigError(HFError, ValueError):
+    """The config file given to export (``config=``, ``--config``) cannot be read or is not a
+    JSON object: a bad argument."""
 
 
 def shard_name(k: int, n: int) -> str:
@@ -169,11 +181,11 @@ def _read_config(config) -> dict:
         with open(config, "rb") as f:
             obj = orjson.loads(f.read())
     except OSError as e:
-        raise HFError(f"{config}: cannot read the config ({e.strerror or e})") from None
+        raise ConfigError(f"{config}: cannot read the config ({e.strerror or e})") from None
     except orjson.JSONDecodeError as e:
-        raise HFError(f"{config}: not valid JSON ({e})") from None
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
-        raise HFError(f"{config}: a config.json must be a JSON object")
+        raise ConfigError(f"{config}: a config.json must be a JSON object")
     return obj
 
 
@@ -206,14 +218,15 @@ def export_hf(
     max_bytes = parse_size(max_shard_size, what="max shard size")
     budget = parse_size(memory_budget, what="memory budget")
     cast = parse_dtype(dtype)
+    given_cfg = _read_config(config) if config is not None else None
+    refuse_overlap(*get_storage(src, storage_options), dst, storage_options)
     ckpt = open_checkpoint(src, storage_options=storage_options)
     before = ckpt.storage.stats.snapshot()
     m = ckpt.manifest
     dst_storage, dst_path = get_storage(dst, storage_options)
     _check_destination(dst_storage, dst_path, overwrite)
 
-    cfg = _read_config(config) if config is not None else config_from_metadata(
-        jsonvalue.decode(m.metadata, where="metadata"))
+    cfg = given_cfg if config is not None else config_from_metadata(jsonvalue.decode(m.metadata, where="metadata"))
     names, excluded = select_names(m.tensors, only=only, strip_prefix=strip_prefix, add_prefix=add_prefix)
     if not names:
         tops = sorted({n.split(".", 1)[0] for n in m.tensors})
@@ -575,7 +588,7 @@ def import_hf(
         rules = load_rules(os.fspath(rules))
     storage, path = get_storage(src, storage_options)
     directory, files, weight_map = hf_files(storage, path)
-    _refuse_same(storage, directory, dst, storage_options)
+    refuse_overlap(storage, directory, dst, storage_options)
     m = hf_manifest(storage, directory, files, weight_map)
     cfg = None
     cfg_path = storage.join(directory, CONFIG_NAME)
@@ -593,7 +606,7 @@ def import_hf(
         the_mesh = Mesh((("world", 1),))
         topology = Topology(world_size=1)
     else:
-        the_mesh = _mesh(mesh)
+        the_mesh = parse_mesh(mesh)
         topology = Topology(world_size=the_mesh.world_size, mesh=the_mesh.dims)
     layouts, _ = plan_layouts(stored_records(m), the_mesh, rules)
     source = Source(storage=storage, path=directory, manifest=m, verify=False)
@@ -611,4 +624,4 @@ def import_hf(
                         tied_alias=aliases.get(OUTPUT_EMBEDDING), memory_budget=budget)
 
 
-__all__ = ["ExportReport", "HFError", "HF_CONFIG_KEY", "ImportReport", "export_hf", "import_hf"]
+__all__ = ["ConfigError", "ExportReport", "HFError", "HF_CONFIG_KEY", "ImportReport", "export_hf", "import_hf"]

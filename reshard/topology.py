@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +26,23 @@ from shardfmt.errors import ShardfmtError
 
 from .geometry import Box
 
+MAX_WORLD = 1 << 24  # ranks (and mesh dim sizes) the manifest can record (spec sections 4.1, 12)
+MAX_MESH_DIMS = 16
+_MESH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
+
 
 class TopologyError(ShardfmtError):
     """A mesh or layout is malformed or does not fit the tensor."""
+
+
+def _mesh_size(mesh: Mapping, name, size) -> int:
+    """A mapping's size for ``name``: an integer (not a bool, a float or a string)."""
+    if isinstance(size, bool):
+        raise TopologyError(f"mesh {dict(mesh)!r}: size of {name!r} is a bool ({size}), not an integer")
+    try:
+        return operator.index(size)
+    except TypeError:
+        raise TopologyError(f"mesh {dict(mesh)!r}: size of {name!r} is {size!r}, not an integer") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,23 +53,43 @@ class Mesh:
 
     @classmethod
     def parse(cls, text: str | Mapping[str, int]) -> Mesh:
-        """Parse ``"pp=2,dp=2,tp=2"`` (or a mapping, in its order)."""
+        """Parse ``"pp=2,dp=2,tp=2"`` (or a mapping, in its order); spaces around names, sizes
+        and commas are ignored. Refuses what the format cannot record (spec sections 4.1, 12):
+        more than 16 dims, a name longer than 64 characters, a size or a world size outside
+        [1, 2^24] — before anything is sized by it."""
         if isinstance(text, Mapping):
-            pairs = [(str(k), int(v)) for k, v in text.items()]
+            pairs = [(str(k), _mesh_size(text, k, v)) for k, v in text.items()]
         else:
             pairs = []
             for part in filter(None, (p.strip() for p in str(text).split(","))):
-                m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d+)", part)
+                m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)\s*=\s*0*([0-9]+)", part, re.ASCII)
                 if not m:
                     raise TopologyError(f"mesh {text!r}: {part!r} is not NAME=SIZE")
+                if len(m.group(2)) > 8:  # more than 2^24 whatever the digits: never convert a huge string
+                    raise TopologyError(f"mesh dim {m.group(1)!r}: a {len(m.group(2))}-digit size exceeds the "
+                                        f"format's maximum of {MAX_WORLD} (2^24) ranks")
                 pairs.append((m.group(1), int(m.group(2))))
         if not pairs:
             raise TopologyError(f"mesh {text!r} has no dims")
         names = [n for n, _ in pairs]
         if len(set(names)) != len(names):
             raise TopologyError(f"mesh {text!r} repeats a dim name")
+        if len(pairs) > MAX_MESH_DIMS:
+            raise TopologyError(f"mesh {text!r} has {len(pairs)} dims; the format records at most {MAX_MESH_DIMS}")
+        bad = [n for n in names if not _MESH_NAME.fullmatch(n)]
+        if bad:
+            raise TopologyError(f"mesh {text!r}: dim name {bad[0][:80]!r} is not a name of at most 64 characters "
+                                "(letters, digits, _; not starting with a digit)")
         if any(s < 1 for _, s in pairs):
             raise TopologyError(f"mesh {text!r}: every size must be >= 1")
+        big = [(n, s) for n, s in pairs if s > MAX_WORLD]
+        if big:
+            raise TopologyError(f"mesh {text!r}: {big[0][0]}={big[0][1]} exceeds the format's maximum of "
+                                f"{MAX_WORLD} (2^24) ranks")
+        world = math.prod(s for _, s in pairs)
+        if world > MAX_WORLD:
+            raise TopologyError(f"mesh {text!r}: world size {world} exceeds the format's maximum of "
+                                f"{MAX_WORLD} (2^24) ranks")
         return cls(tuple(pairs))
 
     @property
@@ -121,13 +156,17 @@ class Replicate:
 PlacementKind = Shard | StridedShard | Replicate
 
 
+def _is_index(v, lo: int) -> bool:
+    """``v`` is an integer >= ``lo``; JSON's true/false are not integers here."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 def placement_from_json(v) -> PlacementKind:
     if v == ["replicate"]:
         return Replicate()
-    if isinstance(v, list) and len(v) == 2 and v[0] == "shard" and isinstance(v[1], int) and v[1] >= 0:
+    if isinstance(v, list) and len(v) == 2 and v[0] == "shard" and _is_index(v[1], 0):
         return Shard(v[1])
-    if (isinstance(v, list) and len(v) == 3 and v[0] == "strided_shard" and isinstance(v[1], int)
-            and v[1] >= 0 and isinstance(v[2], int) and v[2] >= 1):
+    if isinstance(v, list) and len(v) == 3 and v[0] == "strided_shard" and _is_index(v[1], 0) and _is_index(v[2], 1):
         return StridedShard(v[1], v[2])
     raise TopologyError(f"unknown placement {v!r}")
 

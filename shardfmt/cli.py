@@ -1,12 +1,14 @@
 """The ``shardfmt`` command: validate, inspect, ls, gc, demo.
 
 Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments or an
-unreachable path. Errors print one line to stderr, never a traceback.
+unreachable path, 130 interrupted (Ctrl-C), 141 stdout closed early (``| head``). Errors
+print one line to stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 
@@ -15,9 +17,43 @@ import orjson
 from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
 from .storage import parse_storage_options
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
+
 
 def _print_json(obj) -> None:
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode() + "\n")
+    option = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS
+    try:
+        text = orjson.dumps(obj, option=option)
+    except TypeError:  # a string JSON cannot hold: a file name that is not UTF-8
+        text = orjson.dumps(_utf8(obj), option=option)
+    sys.stdout.write(text.decode() + "\n")
+
+
+def _utf8(obj):
+    """``obj`` with every string valid UTF-8: the bytes of a name that is not (which Python
+    keeps as lone surrogates) appear as ``\\xNN``."""
+    if isinstance(obj, str):
+        try:
+            return obj.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no undecodable byte stands for
+            return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {_utf8(k): _utf8(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_utf8(v) for v in obj]
+    return obj
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (``shardfmt ls ROOT | head``): send what is left to
+    /dev/null, so that neither this nor the flush at exit prints a traceback, and return
+    ``SIGPIPE_EXIT``. Both command-line tools end this way."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to flush at exit
+        pass
+    return SIGPIPE_EXIT
 
 
 def _human(n: int) -> str:
@@ -121,10 +157,11 @@ def cmd_ls(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .roots import collect_garbage
+    from .roots import collect_garbage, require_root
     from .storage import get_storage
 
     storage, root = get_storage(args.root, _storage_options(args))
+    require_root(storage, root)
     removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run)
     if args.json:
         _print_json({"removed": removed, "dry_run": args.dry_run})
@@ -137,8 +174,12 @@ def cmd_gc(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import prepare_dir, run_demo
 
+    if args.dir is not None:
+        why = prepare_dir(args.dir)
+        if why is not None:
+            return _usage(f"--dir {args.dir}: {why}")
     return run_demo(args)
 
 
@@ -175,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_gc)
 
     d = sub.add_parser("demo", help="train on 2 ranks, SIGKILL one, resume, and compare bit for bit")
-    d.add_argument("--dir", help="where to write (default: a temporary directory)")
+    d.add_argument("--dir", help="a new or empty directory to write to (default: a new temporary directory); "
+                                 "each run restores the checkpoints it finds there, so a used one is refused")
     d.add_argument("--plot", metavar="FILE.png", help="draw both loss curves (needs matplotlib)")
     d.set_defaults(func=cmd_demo)
     return p
@@ -184,7 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return rc
+    except BrokenPipeError:
+        return stdout_closed()
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"shardfmt: {e}", file=sys.stderr)
         return 2

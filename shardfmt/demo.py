@@ -48,6 +48,22 @@ def _read(root: str, run: str, rank: int) -> tuple[dict[int, dict], int | None]:
     return steps, resumed
 
 
+def prepare_dir(path: str) -> str | None:
+    """Create ``path`` for the demo, or return why it cannot be used: it must be new or
+    empty, as each run restores the newest checkpoint it finds there (a second demo in the
+    same directory would resume the first one's runs, not train from scratch)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a directory"
+    try:
+        if not os.path.isdir(path):
+            os.makedirs(path)
+        elif os.listdir(path):
+            return "is not empty (each run restores the checkpoints it finds there); use a new or empty directory"
+    except OSError as e:
+        return f"cannot be used ({e.strerror or e})"
+    return None
+
+
 def run_demo(args) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="shardfmt-demo-")
     os.makedirs(root, exist_ok=True)

@@ -52,13 +52,19 @@ def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int
     return "committed", m.step, sum(f.size for f in m.files.values()), ""
 
 
+def require_root(storage: Storage, root: str) -> None:
+    """Raise CheckpointNotFoundError unless ``root`` is a directory: a misspelled root is an
+    error, not an empty one."""
+    if not storage.isdir(root):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: not a directory")
+
+
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
     """Every checkpoint-like directory under ``root`` (a path or fsspec URL) with its status."""
     from .storage import get_storage
 
     storage, root = get_storage(root, storage_options)
-    if not storage.isdir(root):
-        raise CheckpointNotFoundError(f"{storage.url(root)}: not a directory")
+    require_root(storage, root)
     out = []
     for name in storage.listdir(root):
         path = storage.join(root, name)

@@ -215,6 +215,8 @@ def test_rules_override_placements(src8, tmp_path):
 @pytest.mark.parametrize("rules, match", [
     ({"rules": [{"match": "(", "placements": {}}]}, "not a valid regex"),
     ({"rules": [{"match": "x", "placements": {"tp": ["shard"]}}]}, "is not"),
+    ({"rules": [{"match": r"attn\.wq\.weight$", "placements": {"tp": ["shard", True]}}]}, "is not"),  # not a dim
+    ({"rules": [{"match": r"attn\.wq\.weight$", "placements": {"tp": ["strided_shard", 0, True]}}]}, "is not"),
     ({"rules": [{"match": "x", "placements": {}, "extra": 1}]}, "needs 'match'"),
     ({"rules": [{"match": "wq", "placements": {"ep": ["shard", 0]}}]}, "mesh dim 'ep' is not in the mesh"),
     ({"rules": [{"match": "norm", "placements": {"tp": ["shard", 1]}}]}, "has shape \\[32\\]"),

@@ -251,6 +251,20 @@ def test_unsupported_values_are_refused_or_skipped_with_a_warning(tmp_path, caps
 # ----------------------------------------------------------------------------- refusals
 
 
+def test_bad_step_or_a_destination_over_the_source_is_refused_before_any_work(dcp1, tmp_path, capsys):
+    src = _copy(dcp1, tmp_path / "root")  # <tmp>/root/src
+    before = sorted(os.listdir(src))
+    dst = str(tmp_path / "x")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["import-dcp", src, dst, "--trust-pickle", "--step", "-5"])
+    assert e.value.code == 2 and "--step" in capsys.readouterr().err and _nothing_at(dst)
+    for over in (src, str(tmp_path / "root"), os.path.join(src, "ck")):
+        assert cli.main(["import-dcp", src, over, "--trust-pickle", "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert "OverlapError" in err and err.count("\n") == 1
+    assert sorted(os.listdir(src)) == before
+
+
 def test_missing_trust_pickle_flag_is_refused(dcp1, tmp_path, capsys):
     dst = str(tmp_path / "x")
     assert cli.main(["import-dcp", dcp1, dst]) == 2
