@@ -281,14 +281,13 @@ def load(
                 src_dtypes.append(src_dtype)
         else:
             rec = m.values.get(leaf.fqn)
-            if rec is not None:
-                check_settable(leaf)
             if rec is None:
                 if leaf.fqn in m.tensors:
                     raise StateDictError(f"{leaf.fqn}: the checkpoint holds a tensor here; pass a tensor to "
                                          f"load it into (got {type(v).__name__})")
                 missing.append(leaf.fqn)
                 continue
+            check_settable(leaf)  # before any read: a load fails whole or not at all
             if isinstance(v, PerRank) or rec.per_rank is not None:
                 got = _value_for_rank(leaf.fqn, rec, rank, world_size, m.topology.world_size, per_rank)
                 if got is _SKIP:

@@ -55,7 +55,7 @@ from .retention import (
     step_dir_name,
     to_delete,
 )
-from .roots import CheckpointInfo, checkpoint_status, collect_garbage, list_steps
+from .roots import CheckpointInfo, collect_garbage, list_steps
 from .state import PerRank
 from .storage import get_storage
 
@@ -110,7 +110,8 @@ class Checkpointer:
         self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
         self._stager = None  # async saves' staging buffers, created on the first one
-        self._pending: list = []
+        self._pending: list = []  # background saves not yet waited for (failed ones until wait() raises)
+        self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
         self.archive_storage, self.archive_root = (get_storage(archive, archive_storage_options)
                                                    if archive else (None, None))
         self.archive_every = archive_every
@@ -196,8 +197,8 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateDictError(f"step must be an int >= 0, got {step!r}")
         for h in self._pending:
-            if h.done() and h.exception() is not None and not getattr(h, "_reported", False):
-                h._reported = True
+            if h.done() and h.exception() is not None and h not in self._warned:
+                self._warned.add(h)
                 warnings.warn(f"the background save to {h.path} failed (wait() raises it): {h.exception()}",
                               stacklevel=2)
         sd, signature = self._state_dicts(state, saving=True)
@@ -456,10 +457,9 @@ class Checkpointer:
             if tier == "root":
                 for i in infos:
                     if i.status == "corrupt":  # committed, then torn (a file missing or truncated, a bad manifest)
-                        why = checkpoint_status(storage, i.path)[3]
-                        warnings.warn(f"checkpoint {storage.url(i.path)} is unusable, quarantined: {why}",
+                        warnings.warn(f"checkpoint {storage.url(i.path)} is unusable, quarantined: {i.reason}",
                                       stacklevel=3)
-                        self._quarantine(i.path, why)
+                        self._quarantine(i.path, i.reason)
             out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
         return {"candidates": out, "any": seen_any}
 

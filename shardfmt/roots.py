@@ -24,6 +24,7 @@ class CheckpointInfo:
     step: int
     path: str
     status: str  # committed | incomplete | corrupt | quarantined
+    reason: str = ""  # why it is not committed
 
 
 def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int | None, str]:
@@ -92,8 +93,8 @@ def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
         if step is None:
             continue
         path = storage.join(root, name)
-        status, _, _, _ = checkpoint_status(storage, path)
-        out.append(CheckpointInfo(step=step, path=path, status=status))
+        status, _, _, reason = checkpoint_status(storage, path)
+        out.append(CheckpointInfo(step=step, path=path, status=status, reason=reason))
     return sorted(out, key=lambda i: i.step)
 
 

@@ -6,6 +6,7 @@ import struct
 import orjson
 import pytest
 import torch
+from conftest import flip_byte
 
 import shardfmt
 from shardfmt import hashing
@@ -161,11 +162,7 @@ def test_truncated_file(saved):
 def test_flipped_data_byte_is_caught(saved):
     path, full = saved
     f = os.path.join(path, "data", "rank_00001.safetensors")
-    with open(f, "r+b") as fh:
-        fh.seek(5000)
-        b = fh.read(1)
-        fh.seek(5000)
-        fh.write(bytes([b[0] ^ 0x40]))
+    flip_byte(f, 5000, 0x40)
     with pytest.raises(shardfmt.IntegrityError, match="rank_00001.safetensors: chunk 1"):
         load_w(path)
     assert shardfmt.validate(path).ok  # quick validation does not read data

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import flip_byte
 
 import shardfmt
 from shardfmt.checkpointer import Checkpointer, CompatibilityError
@@ -70,11 +71,7 @@ def test_corrupt_newest_falls_back_and_is_quarantined(tmp_path):
     run(state, 1, 3, ck, save_at=(2, 3))
     newest = ck.latest()
     f = os.path.join(newest, "data", "rank_00000.safetensors")
-    with open(f, "r+b") as fh:
-        fh.seek(os.path.getsize(f) - 10)
-        b = fh.read(1)
-        fh.seek(os.path.getsize(f) - 10)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_byte(f, os.path.getsize(f) - 10)
     with pytest.warns(UserWarning, match=r"step_000000003.*rank_00000.safetensors"):
         step = Checkpointer(str(tmp_path)).restore(make())
     assert step == 2

@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from conftest import flip_byte
 
 import shardfmt
 
@@ -99,11 +100,7 @@ def test_a_failed_verification_says_the_targets_may_hold_partial_data(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"w": torch.arange(4096.0)}, path, chunk_size=4096)
     f = os.path.join(path, "data", "rank_00000.safetensors")
-    with open(f, "r+b") as fh:
-        fh.seek(9000)
-        b = fh.read(1)
-        fh.seek(9000)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_byte(f, 9000)
     with pytest.raises(shardfmt.IntegrityError, match="chunk 2 .*may hold part of the checkpoint's data"):
         shardfmt.load({"w": torch.zeros(4096)}, path)
 

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import flip_byte
 
 import shardfmt
 from tests.distributed.harness import check_all_ok, launch
@@ -216,11 +217,7 @@ def test_corruption_one_rank_sees_makes_every_rank_fall_back(tmp_path):
     m = shardfmt.read_manifest(newest)
     shard = next(s for s in m.tensors["rows.w"].shards if s.offsets[0] == 64)  # rank 1's rows
     f = os.path.join(newest, shard.file)
-    with open(f, "r+b") as fh:
-        fh.seek(shard.byte_range[0] + 100)
-        b = fh.read(1)
-        fh.seek(shard.byte_range[0] + 100)
-        fh.write(bytes([b[0] ^ 0x10]))
+    flip_byte(f, shard.byte_range[0] + 100, 0x10)
     restored = check_all_ok(launch("ckpt_restore_rows", 2, {"root": root}, out_dir=str(tmp_path / "r")))
     assert [r["step"] for r in restored] == [1, 1]
     assert [r["value"] for r in restored] == [1.0, 1.0]
