@@ -30,6 +30,8 @@ PIECE = 8 << 20  # bytes per os.write / os.preadv call of the floors
 CHUNK = 1 << 20  # bytes per hashed chunk (shardfmt's default chunk size)
 MIB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # measure this checkout, as the workers do (PYTHONPATH=ROOT), whatever is installed
+    sys.path.insert(0, ROOT)
 
 # ----------------------------------------------------------------------------- memory
 

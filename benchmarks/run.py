@@ -690,6 +690,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(methods) - set(GROUPS))
     if unknown or ranks < 1 or rounds < 1:
         p.error(f"unknown method groups {unknown}" if unknown else "--ranks and --rounds must be >= 1")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        p.error(f"--dir {args.dir}: not an existing directory")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():

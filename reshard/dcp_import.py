@@ -53,7 +53,7 @@ import torch
 from shardfmt import hashing, jsonvalue
 from shardfmt.dtypes import dtype_code
 from shardfmt.errors import CheckpointNotFoundError, DcpImportError, EncodingError
-from shardfmt.manifest import Manifest, Topology
+from shardfmt.manifest import Manifest, Topology, check_step
 from shardfmt.storage import Storage, get_storage
 from shardfmt.tensor_bytes import BufferFile
 from shardfmt.writer import CheckpointWriter, ShardData
@@ -465,6 +465,7 @@ def import_dcp(
     """
     if trust_pickle is not True:
         raise DcpImportError(f"{src}: refusing to read DCP metadata without trust_pickle=True. {TRUST_PICKLE_HELP}")
+    check_step(step)
     storage, root = get_storage(src, storage_options)
     refuse_overlap(storage, root, dst, storage_options)
     meta_path = storage.join(root, ".metadata")

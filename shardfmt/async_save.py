@@ -34,6 +34,7 @@ import atexit
 import datetime as _dt
 import functools
 import logging
+import mmap
 import threading
 import time
 import weakref
@@ -44,7 +45,7 @@ import torch
 
 from . import hashing, jsonvalue
 from .errors import CommitError, ShardfmtError, StateDictError
-from .manifest import Manifest
+from .manifest import Manifest, check_step
 
 log = logging.getLogger("shardfmt")
 
@@ -53,6 +54,8 @@ STAGES = ("call", "background")
 
 
 _ALIGN = 512  # bytes: every staged piece starts at a multiple (element sizes, DMA-friendly)
+_PAGE = mmap.PAGESIZE  # the registered range is whole pages of the arena's own: no overlap with another registration
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable, as torch.cuda._pin_memory_utils.pin_memory
 
 
 class Stager:
@@ -76,7 +79,7 @@ class Stager:
         self._buffers: list[torch.Tensor] = []
         self._layout: list[tuple] = []
         self._finalizer = None
-        self._stream = None
+        self._streams: dict[int, torch.cuda.Stream] = {}  # device index -> side stream; shared with unpin
         self._lock = threading.Lock()
         self.inflight: AsyncSave | None = None
 
@@ -90,14 +93,19 @@ class Stager:
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        arena = torch.empty(max(total, 1), dtype=torch.uint8)
+        size = -(-max(total, 1) // _PAGE) * _PAGE
+        raw = torch.empty(size + _PAGE, dtype=torch.uint8)
+        lead = -raw.data_ptr() % _PAGE
+        arena = raw[lead:lead + size]
         if pin:
-            unpin = _register_pinned(arena)
+            device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+            unpin = _register_pinned(arena, device, self._streams)
             if unpin is None:  # cannot register: pin piece by piece (PyTorch's allocator)
                 self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
                 self._layout = [_sig(t, pin) for t in tensors]
                 return
             self._finalizer = weakref.finalize(self, unpin)
+            self._finalizer.atexit = False  # as DCP's stager: the OS unpins at exit; no cudart call at shutdown
         self._buffers = [arena[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                          for o, t in zip(offsets, tensors)]
         self._layout = [_sig(t, pin) for t in tensors]
@@ -134,14 +142,14 @@ class Stager:
             pin = bool(cuda) if self._pin is None else self._pin
             if [_sig(t, pin) for t in tensors] != self._layout:
                 self._allocate(tensors, pin)
-            stream = None
-            if cuda:
-                device = cuda[0].device
-                if self._stream is None or self._stream.device != device:
-                    self._stream = torch.cuda.Stream(device=device)
-                stream = self._stream
-            overlap = (stream is not None) if self.overlap is None else self.overlap
-            return StagedCopy(tensors, list(self._buffers), stream, self._lock, overlap=overlap, after=after)
+            streams = {}
+            for t in cuda:  # one side stream per device: a copy runs on its source device's current stream
+                i = t.device.index
+                if i not in self._streams:
+                    self._streams[i] = torch.cuda.Stream(device=t.device)
+                streams[i] = self._streams[i]
+            overlap = bool(streams) if self.overlap is None else self.overlap
+            return StagedCopy(tensors, list(self._buffers), streams, self._lock, overlap=overlap, after=after)
 
     def release(self) -> None:
         """Drop every buffer (the next save allocates them again)."""
@@ -157,13 +165,13 @@ class StagedCopy:
     current stream), each followed by an event. A failure makes every later ``ready`` raise.
     """
 
-    def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], stream, lock, *,
-                 overlap: bool = False, after=None) -> None:
+    def __init__(self, sources: list[torch.Tensor], buffers: list[torch.Tensor], streams: dict, lock, *,
+                 overlap: bool = False, after: dict | None = None) -> None:
         self.buffers = buffers
         self.overlap = overlap  # whether writing may start before the whole copy is done
         self._sources = sources
-        self._stream = stream
-        self._after = after
+        self._streams = streams or {}  # device index -> side stream
+        self._after = after or {}  # device index -> event recorded where the snapshot was asked for
         self._lock = lock
         self._issued = [threading.Event() for _ in sources]
         self._copied = [False] * len(sources)  # CPU piece i copied / CUDA piece i queued
@@ -173,17 +181,19 @@ class StagedCopy:
     def run(self) -> None:
         try:
             with self._lock:  # one copy into these buffers at a time
-                if self._stream is not None:
-                    if self._after is not None:
-                        self._stream.wait_event(self._after)
+                for d, s in self._streams.items():
+                    ev = self._after.get(d)
+                    if ev is not None:
+                        s.wait_event(ev)
                     else:
-                        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+                        s.wait_stream(torch.cuda.current_stream(s.device))
                 for i, (t, buf) in enumerate(zip(self._sources, self.buffers)):
                     if t.device.type == "cuda":
-                        with torch.cuda.stream(self._stream):
+                        s = self._streams[t.device.index]
+                        with torch.cuda.stream(s):  # also makes s's device current (Copy.cu uses its current stream)
                             buf.copy_(t, non_blocking=True)
-                        t.record_stream(self._stream)  # the caller may free t: keep it until the copy ran
-                        self._events[i] = self._stream.record_event()
+                        t.record_stream(s)  # the caller may free t: keep it until the copy ran
+                        self._events[i] = s.record_event()
                     else:
                         buf.copy_(t)
                     self._copied[i] = True
@@ -203,7 +213,8 @@ class StagedCopy:
                                  f"{type(self._error).__name__}: {self._error}") from self._error
         if self._events[i] is not None:
             try:
-                self._events[i].synchronize()
+                with torch.cuda.device(self._sources[i].device):  # a fresh writer thread's device is 0
+                    self._events[i].synchronize()
             except Exception as e:  # noqa: BLE001 - a device error: the project's error, on every rank
                 raise StateDictError(f"snapshot into host memory failed at piece {i}: "
                                      f"{type(e).__name__}: {e}") from e
@@ -224,28 +235,63 @@ def _sig(t: torch.Tensor, pin: bool) -> tuple:
     return (t.dtype, tuple(t.shape), pin)
 
 
-def _register_pinned(arena: torch.Tensor) -> Callable[[], None] | None:
-    """Page-lock ``arena`` with cudaHostRegister; return the function that undoes it, or None."""
+def _cudart_isolated(device, fn, *args) -> int:
+    """``fn(*args)`` (a cudart call) on a short-lived thread with ``device`` current; its result, or -1.
+
+    A failed runtime call leaves a "last error" in its host thread, which PyTorch's next
+    kernel-launch check there (``C10_CUDA_KERNEL_LAUNCH_CHECK`` = ``cudaGetLastError``)
+    would raise in unrelated user code; torch's binding does not clear it. On a thread of
+    its own it dies with the thread, whichever libcudart instance torch uses. Setting the
+    device also keeps the call off cuda:0's context (a new thread's current device).
+    """
+    out = [-1]
+
+    def call() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            out[0] = int(fn(*args))
+        except Exception:  # noqa: BLE001 - reported as a failure
+            pass
+
+    th = threading.Thread(target=call, name="shardfmt-cudart", daemon=True)
+    try:
+        th.start()
+    except RuntimeError:  # interpreter shutting down (3.12+): no new threads
+        call()
+        return out[0]
+    th.join()
+    return out[0]
+
+
+def _register_pinned(arena: torch.Tensor, device, streams: dict) -> Callable[[], None] | None:
+    """Page-lock ``arena`` with cudaHostRegister; return the function that undoes it, or None.
+
+    ``unpin`` first waits for ``streams`` (the stager's side streams, filled in later): no
+    DMA may still target the pages when they are unregistered."""
     try:
         cudart = torch.cuda.cudart()
-        ptr, size = arena.data_ptr(), arena.numel()
-        if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
-            return None
     except Exception:  # noqa: BLE001 - no CUDA runtime binding here: the caller pins another way
+        return None
+    ptr, size = arena.data_ptr(), arena.numel()
+    if _cudart_isolated(device, cudart.cudaHostRegister, ptr, size, _HOST_REGISTER_PORTABLE) != 0:
         return None
 
     def unpin(arena=arena) -> None:  # holds the arena: it is freed only after the unregister
-        cudart.cudaHostUnregister(arena.data_ptr())
+        for s in list(streams.values()):
+            try:
+                s.synchronize()
+            except Exception:  # noqa: BLE001 - a broken context: unregister anyway
+                pass
+        _cudart_isolated(device, cudart.cudaHostUnregister, ptr)
 
     return unpin
 
 
-def _caller_event(tensors: list[torch.Tensor]):
-    """A CUDA event on the calling thread's current stream of the first CUDA tensor's device, or None."""
-    for t in tensors:
-        if t.device.type == "cuda":
-            return torch.cuda.current_stream(t.device).record_event()
-    return None
+def _caller_events(tensors: list[torch.Tensor]) -> dict:
+    """Device index -> a CUDA event on the calling thread's current stream of that device."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    return {d.index: torch.cuda.current_stream(d).record_event() for d in devices}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -389,6 +435,7 @@ def async_save(
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    check_step(step)
     t0 = time.perf_counter()
     if metadata is not None:  # part of the snapshot: a change after the call must not reach the manifest
         metadata = jsonvalue.decode(jsonvalue.encode(metadata, where="metadata"), where="metadata")
@@ -428,7 +475,7 @@ def async_save(
     # CUDA: the snapshot sees every write queued on the caller's stream before this call, even
     # when a background thread (whose current stream is the default one) does the copy.
     sources = [_plain(t) for t in prepared.tensors()]  # conj/neg resolved on the caller's stream, before:
-    asked = _caller_event(sources)
+    asked = _caller_events(sources)
     snap: Prepared | None = None
     begun = threading.Event()  # the buffers are known: the writer may start on staged pieces
 

@@ -89,6 +89,10 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
     a dead save's leftover once its lease has expired, and is removed; while its lease is
     fresh it is a save in progress and this save refuses to start.
     """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # names travel between ranks and into manifests as JSON (UTF-8)
+        raise StorageError(f"{path!r}: a checkpoint path must be valid UTF-8; rename the directory") from None
     if not storage.atomic_rename and "/" not in path.strip("/"):
         raise StorageError(f"{storage.url(path)}: a checkpoint cannot live at a bucket's root; "
                            "give a prefix (e.g. s3://bucket/run1/step_000000100)")

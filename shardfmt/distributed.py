@@ -41,7 +41,7 @@ from .errors import (
     ShardfmtError,
     StateDictError,
 )
-from .manifest import FileRecord, Placement, ShardRecord, Topology, ViewRecord
+from .manifest import FileRecord, Placement, ShardRecord, Topology, ViewRecord, check_step
 from .state import PerRank, ShardedTensor, _is_dtensor, flatten
 from .writer import (
     DEFAULT_PART_SIZE,
@@ -410,6 +410,13 @@ def run_save(
 
     # 1-2) gather the descriptions
     payload = prepared.desc
+    try:
+        check_step(step)  # before any data moves
+    except StateDictError as e:
+        if group is None:
+            raise
+        if payload.get("ok"):
+            payload = _err_payload(rank, e)
     if check_replicas and _snapshot is not None and payload.get("ok"):  # the digests need the data
         try:
             prepared, _snapshot = _snapshot(), None

@@ -18,7 +18,7 @@ import orjson
 
 from . import hashing
 from .dtypes import SUPPORTED_DTYPES, itemsize
-from .errors import FormatVersionError, ManifestError
+from .errors import FormatVersionError, ManifestError, StateDictError
 
 FORMAT_NAME = "shardfmt"
 FORMAT_VERSION = 1
@@ -31,6 +31,7 @@ DATA_DIR = "data"
 MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller
 MAX_COMMITTED_BYTES = 1 << 16
 MAX_NDIM = 64
+MAX_STEP = 1 << 62  # the manifest's "step" (spec section 4)
 MAX_DEPTH = 64  # JSON nesting (metadata and values included)
 MAX_DIM = 1 << 53  # JSON-safe integer range
 
@@ -276,6 +277,12 @@ def register_migration(from_version: int) -> Callable[[Migration], Migration]:
 
 def _fail(where: str, msg: str) -> ManifestError:
     return ManifestError(f"manifest {where}: {msg}")
+
+
+def check_step(step: Any) -> None:
+    """Refuse a step the manifest cannot record (None, or an int in [0, 2^62]) before any I/O."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP):
+        raise StateDictError(f"step must be None or an integer in [0, 2^62], got {step!r}")
 
 
 def _int(v: Any, where: str, *, lo: int = 0, hi: int = MAX_DIM) -> int:
@@ -598,7 +605,7 @@ def _manifest_fields(o: dict) -> Manifest:
         raise _fail("tensors/storages/values", f"names used twice: {sorted(clash)[:5]}")
     step = o["step"]
     if step is not None:
-        step = _int(step, "step", hi=1 << 62)
+        step = _int(step, "step", hi=MAX_STEP)
     values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]")
               for k, v in _obj(o["values"], "values").items()}
     topology = _parse_topology(o["topology"], "topology")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import hashing
 from .commit import committed_aside
-from .errors import CheckpointNotFoundError, CommitError, HeaderError, IntegrityError
+from .errors import CheckpointNotFoundError, CommitError, HeaderError, IntegrityError, StorageError
 from .manifest import (
     COMMITTED_NAME,
     MANIFEST_NAME,
@@ -49,10 +49,23 @@ def resolve_path(storage: Storage, path: str) -> str:
     raise CheckpointNotFoundError(f"{path}: no checkpoint there")
 
 
+def _read_member(storage: Storage, path: str, *, limit: int) -> bytes:
+    """Read a checkpoint's own file; one that is a directory makes the checkpoint invalid (not
+    a storage failure)."""
+    try:
+        return storage.read_bytes(path, limit=limit)
+    except CheckpointNotFoundError:
+        raise
+    except StorageError:
+        if storage.isdir(path):
+            raise CommitError(f"{storage.url(path)}: is a directory, not a file: not a valid checkpoint") from None
+        raise
+
+
 def read_commit(storage: Storage, path: str) -> CommitRecord:
     marker = storage.join(path, COMMITTED_NAME)
     try:
-        raw = storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES)
+        raw = _read_member(storage, marker, limit=MAX_COMMITTED_BYTES)
     except CheckpointNotFoundError:
         if not storage.atomic_rename and not storage.exists(path):
             raise CheckpointNotFoundError(f"{storage.url(path)}: no checkpoint there") from None
@@ -63,7 +76,7 @@ def read_commit(storage: Storage, path: str) -> CommitRecord:
 
 def read_manifest_bytes(storage: Storage, path: str) -> bytes:
     try:
-        return storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
+        return _read_member(storage, storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
     except CheckpointNotFoundError:
         raise CommitError(f"{storage.url(path)}: {MANIFEST_NAME} is missing") from None
 

@@ -36,6 +36,7 @@ from .manifest import (
     Topology,
     ValueRecord,
     ViewRecord,
+    check_step,
     rank_file_name,
 )
 from .safetensors_io import EncodedHeader, ShardOrigin, encode_header, encode_origins
@@ -642,9 +643,11 @@ class CheckpointWriter:
     def commit(self, *, step: int | None = None, metadata: Any = None,
                topology: Topology | None = None) -> Manifest:
         """Build the manifest and publish the checkpoint; abort on any failure."""
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 1 << 62):
+        try:
+            check_step(step)
+        except StateDictError:
             self.abort()
-            raise StateDictError(f"step must be an integer in [0, 2^62], got {step!r}")
+            raise
         if self._done:
             raise CommitError(f"{self.path}: this writer already finished")
         if self._streaming:

@@ -157,6 +157,40 @@ def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_re
         broken.ready(1)
 
 
+def test_pinning_registers_one_page_aligned_arena_off_the_calling_thread(monkeypatch):
+    """The staging arena is page-locked with one cudaHostRegister (portable) of whole pages of its
+    own, called on a thread of its own (a failure's CUDA "last error" dies with it, instead of
+    surfacing at the caller's next kernel); release unregisters it there too. CPU here: the
+    CUDA runtime is a recording stand-in, so this checks the calls, not CUDA."""
+    import mmap
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", threading.current_thread() is threading.main_thread(), ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", threading.current_thread() is threading.main_thread(), ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    stager = shardfmt.Stager(pin_memory=True)
+    src = [torch.randn(1000), torch.arange(7, dtype=torch.int16), torch.ones(3, 5, dtype=torch.bfloat16)]
+    bufs, wait = stager.copy(src)
+    wait()
+    assert all(torch.equal(b, s) for b, s in zip(bufs, src))
+    [(kind, on_caller, ptr, size, flags)] = calls
+    assert kind == "register" and not on_caller and flags == 1
+    assert ptr % mmap.PAGESIZE == 0 and size % mmap.PAGESIZE == 0
+    assert all(ptr <= b.data_ptr() and b.data_ptr() + b.numel() * b.element_size() <= ptr + size for b in bufs)
+    stager.copy(src)  # same layout: the arena is reused, nothing registered again
+    assert len(calls) == 1
+    stager.release()
+    assert calls[1:] == [("unregister", False, ptr)]
+
+
 def test_errors_surface_on_wait_or_at_the_call(tmp_path):
     shardfmt.save({"w": torch.ones(2)}, str(tmp_path / "c"))
     h = shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "c"), stager=shardfmt.Stager())

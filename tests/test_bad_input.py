@@ -267,3 +267,44 @@ def test_missing_path_and_cli_exit_codes(tmp_path, saved, capsys):
     assert main(["validate", path]) == 1
     with pytest.raises(shardfmt.CheckpointNotFoundError):
         load_w(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("member", ["manifest.json", "COMMITTED"])
+def test_a_directory_where_the_checkpoint_has_a_file_is_an_invalid_checkpoint(saved, member, capsys):
+    """Not a storage failure (exit 2, "read failed: Is a directory"): the checkpoint is invalid."""
+    from reshard.cli import main as reshard_main
+    from shardfmt.cli import main
+
+    path, _ = saved
+    os.remove(os.path.join(path, member))
+    os.mkdir(os.path.join(path, member))
+    with pytest.raises(shardfmt.CommitError, match=f"{member}: is a directory, not a file"):
+        load_w(path)
+    assert main(["inspect", path]) == 1
+    assert reshard_main(["convert", path, path + "-out", "--mesh", "dp=1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("is a directory, not a file") == 2 and "Traceback" not in err
+    assert not os.path.exists(path + "-out")
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path):
+    bad = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"ck\xff"))
+    with pytest.raises(shardfmt.StorageError, match="valid UTF-8"):
+        shardfmt.save({"w": torch.ones(3)}, bad, step=1)
+    with pytest.raises(shardfmt.StorageError, match="valid UTF-8"):
+        shardfmt.async_save({"w": torch.ones(3)}, bad, step=1, stager=shardfmt.Stager()).wait()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("step", [-1, 1 << 63, True, 1.0, "3"])
+def test_a_bad_step_fails_before_any_data_is_written(tmp_path, monkeypatch, step):
+    def no_writer(*a, **k):
+        raise AssertionError("a save with a bad step must not start writing")
+
+    monkeypatch.setattr("shardfmt.distributed.CheckpointWriter", no_writer)
+    path = str(tmp_path / "ck")
+    with pytest.raises(shardfmt.StateDictError, match="step must be"):
+        shardfmt.save({"w": torch.ones(3)}, path, step=step)
+    with pytest.raises(shardfmt.StateDictError, match="step must be"):
+        shardfmt.async_save({"w": torch.ones(3)}, path, step=step, stager=shardfmt.Stager())
+    assert os.listdir(tmp_path) == []

@@ -50,3 +50,18 @@ def test_background_staging_sees_writes_queued_on_the_callers_stream(tmp_path):
     out = {"w": torch.empty(4096, 4096)}
     shardfmt.load(out, str(tmp_path / "c"))
     assert torch.all(out["w"] == 3.0)
+
+
+def test_a_failed_host_register_leaves_no_cuda_error_behind():
+    """cudaHostRegister's failure must not surface at the caller's next kernel launch."""
+    from shardfmt.async_save import _register_pinned
+
+    arena = torch.empty(1 << 20, dtype=torch.uint8)
+    unpin = _register_pinned(arena, torch.device("cuda", 0), {})
+    assert unpin is not None
+    try:
+        assert _register_pinned(arena, torch.device("cuda", 0), {}) is None  # already registered: fails
+        torch.ones(8, device="cuda").add_(1)  # C10_CUDA_KERNEL_LAUNCH_CHECK = cudaGetLastError()
+        torch.cuda.synchronize()
+    finally:
+        unpin()

@@ -28,7 +28,7 @@ import shardfmt
 from reshard import cli
 from reshard.dcp_import import import_dcp, plan_import, rank_of_files
 from reshard.dcp_metadata import DcpChunk, DcpLocation, DcpMetadata, DcpTensor, parse_metadata
-from shardfmt.errors import DcpImportError, UnsafePickleError
+from shardfmt.errors import DcpImportError, StateDictError, UnsafePickleError
 from tests.distributed.harness import check_all_ok, launch
 from tests.distributed.model import truth
 from tests.distributed.workers import DCP_SHARDED, DCP_VALUES, dcp_full_tensors
@@ -258,6 +258,11 @@ def test_bad_step_or_a_destination_over_the_source_is_refused_before_any_work(dc
     with pytest.raises(SystemExit) as e:
         cli.main(["import-dcp", src, dst, "--trust-pickle", "--step", "-5"])
     assert e.value.code == 2 and "--step" in capsys.readouterr().err and _nothing_at(dst)
+    with pytest.MonkeyPatch.context() as mp:  # refused before the source is even opened
+        mp.setattr("reshard.dcp_import.get_storage", lambda *a, **k: pytest.fail("opened the source"))
+        with pytest.raises(StateDictError, match="step must be"):
+            import_dcp(src, dst, trust_pickle=True, step=-5)
+    assert _nothing_at(dst)
     for over in (src, str(tmp_path / "root"), os.path.join(src, "ck")):
         assert cli.main(["import-dcp", src, over, "--trust-pickle", "--overwrite"]) == 2
         err = capsys.readouterr().err
