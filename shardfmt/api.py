@@ -317,8 +317,10 @@ def load(
         Executor(ckpt.storage, ckpt.path, m.files, chunk_size=m.chunk_size, src_dtypes=src_dtypes,
                  targets=dsts, workers=workers, bounce=bounce).run(plan)
     except ShardfmtError as e:
-        raise type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
-                      "checkpoint's data and must not be used)") from None
+        err = type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
+                      "checkpoint's data and must not be used)")
+        err.partial_load = True  # the targets were written to (Checkpointer.restore must not start fresh)
+        raise err from None
     for p in posts:
         src = dsts[p.buf_index].as_strided(p.shape, p.stride, p.lo)
         with torch.no_grad():

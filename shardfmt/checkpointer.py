@@ -396,6 +396,7 @@ class Checkpointer:
         choice = self._broadcast(self._candidates() if rank == 0 else None)
         if "error" in choice:  # root cannot be listed (a misspelled bucket, no access): not "no checkpoints"
             raise StorageError(choice["error"])
+        dirty = False  # this rank's state holds data of a checkpoint that was then given up
         for step, tier, path in choice["candidates"]:
             storage, opts = ((self.storage, self.storage_options) if tier == "root"
                              else (self.archive_storage, self.archive_storage_options))
@@ -414,6 +415,7 @@ class Checkpointer:
                 # checkpoint: nothing is quarantined and restore fails, to be retried.
                 transient = isinstance(e, StorageError) or (isinstance(e, OSError) and not isinstance(e, ShardfmtError))
                 err = {"error": f"{type(e).__name__}: {e}", "transient": transient}
+                dirty = dirty or getattr(e, "partial_load", False)
             errors = self._all_gather(err)
             failing = [(r, e) for r, e in enumerate(errors) if e]
             if any(e["transient"] for _, e in failing):
@@ -421,6 +423,7 @@ class Checkpointer:
                                    "quarantined; retry): " + "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4]))
             bad = [(r, e["error"]) for r, e in failing]
             if bad:
+                dirty = dirty or err is None  # loaded here in full, failed on another rank
                 why = "; ".join(f"rank {r}: {e}" for r, e in bad[:4])
                 warnings.warn(f"checkpoint {storage.url(path)} is unusable, falling back to the previous one: "
                               f"{why}", stacklevel=2)
@@ -432,8 +435,14 @@ class Checkpointer:
             if tier == "archive":
                 warnings.warn(f"{self.storage.url(self.root)}: no valid checkpoint; restored step {step} from the "
                               f"archive {storage.url(path)}", stacklevel=2)
-            self._apply(state, sd, report, manifest)
+            self._apply(state, sd, report, manifest, dirty=dirty)
             return step
+        if choice["any"] and any(self._all_gather(dirty)):
+            raise CheckpointNotFoundError(
+                f"{self.storage.url(self.root)}: checkpoints exist but none is valid, and the failed attempts "
+                "wrote part of their data into the state given to restore: it is not a fresh start either. "
+                "Build the model and optimizer again (the unusable checkpoints under the root are "
+                "quarantined: a restarted job starts fresh)")
         if choice["any"] and not self.allow_fresh_start:
             raise CheckpointNotFoundError(f"{self.storage.url(self.root)}: checkpoints exist but none is valid "
                                           "(pass allow_fresh_start=True to train from scratch)")
@@ -490,7 +499,7 @@ class Checkpointer:
                 raise CompatibilityError(f"{path}: model {name!r} differs from the checkpoint: "
                                          + "; ".join(d for d in detail if d) + " (pass allow_mismatch=True)")
 
-    def _apply(self, state, sd, report, manifest) -> None:
+    def _apply(self, state, sd, report, manifest, *, dirty: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
@@ -518,7 +527,11 @@ class Checkpointer:
         if not_restored:
             warnings.warn(f"saved but not restored: {', '.join(not_restored)}", stacklevel=3)
         not_saved = sorted(set(state) - saved_entries) if saved_entries else []
-        if not_saved:
+        if not_saved and dirty:
+            warnings.warn(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
+                          "checkpoint wrote into the state, so they may hold its data: re-initialize them",
+                          stacklevel=3)
+        elif not_saved:
             warnings.warn(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=3)
         unread = [k for k in report.unexpected if k.split(".", 1)[0] in state and not k.startswith(RNG_KEY)]
         if unread:

@@ -178,6 +178,26 @@ def test_a_torn_newest_checkpoint_is_quarantined_and_its_step_can_be_saved_again
     assert ck.latest().endswith("step_000000200")
 
 
+def test_a_failed_restore_that_wrote_into_the_model_is_no_fresh_start(tmp_path):
+    """Every checkpoint corrupt: the load wrote most of the bad checkpoint's weights before its
+    hash check failed. ``allow_fresh_start`` must not hand back that model as a fresh one."""
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        m.weight.fill_(7.0)
+    Checkpointer(root).save(1, {"model": m})
+    data = os.path.join(root, "step_000000001", "data")
+    f = os.path.join(data, os.listdir(data)[0])
+    flip_byte(f, os.path.getsize(f) - 100)  # the last chunk: every earlier one lands first
+    fresh = torch.nn.Linear(64, 64)
+    with pytest.warns(UserWarning, match="unusable"), \
+            pytest.raises(shardfmt.CheckpointNotFoundError, match="not a fresh start either"):
+        Checkpointer(root, allow_fresh_start=True).restore({"model": fresh})
+    assert (fresh.weight == 7.0).any()  # what the error is about
+    # the bad checkpoint is quarantined: a restarted job (a new model) starts fresh
+    assert Checkpointer(root, allow_fresh_start=True).restore({"model": torch.nn.Linear(64, 64)}) is None
+
+
 def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_path, monkeypatch):
     import shardfmt.distributed as D
 
