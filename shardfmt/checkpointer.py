@@ -83,6 +83,15 @@ def _config_hash(config: Any) -> str | None:
     return hashing.digest_bytes(orjson.dumps(jsonvalue.encode(config, where="config"), option=orjson.OPT_SORT_KEYS))
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for configs whose typed JSON differs (dict order, 1000 vs 1000.0); False where
+    comparing fails (arrays)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. numpy's ambiguous truth value: not provably equal
+        return False
+
+
 class Checkpointer:
     """Save and restore whole training states under ``root`` (a directory or fsspec URL)."""
 
@@ -109,6 +118,7 @@ class Checkpointer:
         self.timeout = timeout
         self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
+        self._fresh_optims: set[str] = set()
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []  # background saves not yet waited for (failed ones until wait() raises)
         self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
@@ -173,9 +183,11 @@ class Checkpointer:
                 model = _owner(obj, models, name)
                 fresh = not obj.state
                 out[name] = get_optimizer_state_dict(model, obj)  # a fresh optimizer gets its state made
-                if saving and fresh and obj.state:
-                    out[name] = _unstepped(out[name])
-                    obj.state.clear()  # that state was made for the save: the optimizer stays as it was
+                if fresh and obj.state:
+                    if saving:
+                        out[name] = _unstepped(out[name])
+                    obj.state.clear()  # made with lr=0 only to have tensors to save / load into
+                    self._fresh_optims.add(name)
             elif hasattr(obj, "state_dict"):
                 out[name] = obj.state_dict()
             else:
@@ -201,6 +213,7 @@ class Checkpointer:
                 self._warned.add(h)
                 warnings.warn(f"the background save to {h.path} failed (wait() raises it): {h.exception()}",
                               stacklevel=2)
+        self._fresh_optims = set()
         sd, signature = self._state_dicts(state, saving=True)
         samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
         if samplers and self._dist():
@@ -209,7 +222,8 @@ class Checkpointer:
                 raise StateDictError(f"sampler cursors differ across ranks at save: {seen[:8]} "
                                      "(advance(n) must be called with the same n on every rank)")
         sd[RNG_KEY] = PerRank(rng.capture())
-        meta = {"user": metadata, "config": self.config, "config_hash": _config_hash(self.config),
+        meta = {"user": metadata, "unstepped": sorted(self._fresh_optims),
+                "config": self.config, "config_hash": _config_hash(self.config),
                 "signature": signature, "entries": sorted(state), "world_size": self._world()}
         path = self.storage.join(self.root, step_dir_name(step))
         self.storage.makedirs(self.root)
@@ -400,6 +414,7 @@ class Checkpointer:
         for step, tier, path in choice["candidates"]:
             storage, opts = ((self.storage, self.storage_options) if tier == "root"
                              else (self.archive_storage, self.archive_storage_options))
+            self._fresh_optims = set()
             sd, signature = self._state_dicts(state)
             sd[RNG_KEY] = PerRank(None)
             err = None
@@ -414,10 +429,17 @@ class Checkpointer:
                 # A storage failure (network, throttling, permission) says nothing about the
                 # checkpoint: nothing is quarantined and restore fails, to be retried.
                 transient = isinstance(e, StorageError) or (isinstance(e, OSError) and not isinstance(e, ShardfmtError))
-                err = {"error": f"{type(e).__name__}: {e}", "transient": transient}
+                # The caller's state does not fit the checkpoint (a shape, a dtype, a tuple, a config
+                # that cannot be encoded): the checkpoint is not at fault and is not quarantined.
+                caller = isinstance(e, StateDictError)
+                err = {"error": f"{type(e).__name__}: {e}", "transient": transient, "caller": caller}
                 dirty = dirty or getattr(e, "partial_load", False)
             errors = self._all_gather(err)
             failing = [(r, e) for r, e in enumerate(errors) if e]
+            if any(e.get("caller") for _, e in failing):
+                raise StateDictError(f"restoring {storage.url(path)}: the state given to restore does not fit the "
+                                     "checkpoint (nothing was quarantined): "
+                                     + "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4]))
             if any(e["transient"] for _, e in failing):
                 raise StorageError(f"restoring {storage.url(path)} failed on storage access (nothing was "
                                    "quarantined; retry): " + "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4]))
@@ -480,7 +502,7 @@ class Checkpointer:
             return
         want = meta.get("config_hash")
         have = _config_hash(self.config)
-        if want is not None and have is not None and want != have:
+        if want is not None and have is not None and want != have and not _equal(meta.get("config"), self.config):
             raise CompatibilityError(f"{path}: saved with a different config (hash {want} != {have}); "
                                      f"saved config: {str(meta.get('config'))[:300]}; pass allow_mismatch=True")
         saved = meta.get("signature") or {}
@@ -513,6 +535,10 @@ class Checkpointer:
                 set_model_state_dict(obj, sd[name])
             elif _is_optimizer(obj):
                 set_optimizer_state_dict(_owner(obj, models, name), obj, sd[name])
+                meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
+                saved = meta.get("entries", []) if isinstance(meta, dict) else []
+                if name in self._fresh_optims and (name not in saved or name in meta.get("unstepped", [])):
+                    obj.state.clear()  # never stepped (or not saved): exactly the fresh optimizer again
             else:
                 obj.load_state_dict(sd[name])
         rng_state = sd[RNG_KEY].value

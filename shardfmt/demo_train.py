@@ -77,7 +77,6 @@ def main() -> None:
     if step:
         log.write(json.dumps({"resumed_from": step, "attempt": attempt}) + "\n")
     while step < a.steps:
-        sampler.set_epoch(sampler.epoch if sampler.consumed < len(data) else sampler.epoch + 1)
         loader = torch.utils.data.DataLoader(torch.arange(len(data)), batch_size=a.batch, sampler=sampler,
                                              generator=loader_gen, drop_last=True)
         for ids in loader:
@@ -101,6 +100,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= a.steps:
                 break
+        else:  # the epoch's batches are done (a tail short of a batch is dropped, never consumed)
+            sampler.set_epoch(sampler.epoch + 1)
     log.close()
     dist.destroy_process_group()
 

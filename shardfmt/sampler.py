@@ -8,8 +8,15 @@ r, r + W, ...), so
 - restored on the same world size, every rank continues with exactly the samples it
   would have read next;
 - restored on another world size, the job continues with exactly the samples not yet
-  consumed this epoch — none repeated, none skipped, never padded with repeats (with
-  ``drop_last=False`` the last ranks may get one sample fewer).
+  consumed this epoch — none skipped, none repeated except the padding below.
+
+Every rank gets the same number of samples, so the same number of batches (a rank with one
+batch fewer would leave the others waiting in a collective): with ``drop_last=True`` the
+tail that does not divide over the ranks is dropped; otherwise (as ``DistributedSampler``)
+the epoch is padded with fewer than W samples from its start. The padding is always the
+same samples (the epoch's first), so a same-size resume still reads exactly what the
+uninterrupted job would have, and ``advance`` never counts it (``consumed`` stops at the
+dataset's size).
 
 The loop reports consumption itself with ``advance(n)`` after each optimizer step (n =
 samples this rank consumed, the same on every rank), so DataLoader prefetching never
@@ -54,17 +61,22 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.dataset_len, generator=g)
 
     def _remaining(self) -> torch.Tensor:
-        rest = self._order()[self.consumed:]
+        """This epoch's samples not yet consumed, a multiple of the world size long."""
+        order = self._order()
+        rest = order[self.consumed:]
+        w = self.num_replicas
         if self.drop_last:
-            rest = rest[: (len(rest) // self.num_replicas) * self.num_replicas]
+            return rest[: (len(rest) // w) * w]
+        pad = -len(rest) % w
+        if pad and len(rest):  # from the epoch's start (cyclically when there are fewer samples than ranks)
+            rest = torch.cat([rest, order.repeat(-(-pad // len(order)))[:pad]])
         return rest
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._remaining()[self.rank :: self.num_replicas].tolist())
 
     def __len__(self) -> int:
-        n = len(self._remaining())
-        return max(0, (n - self.rank + self.num_replicas - 1) // self.num_replicas)
+        return len(self._remaining()) // self.num_replicas
 
     # -- the cursor
     def set_epoch(self, epoch: int) -> None:

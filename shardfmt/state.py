@@ -87,7 +87,7 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
     if _is_tensor_like(v):
         return True
     if isinstance(v, PerRank):
-        return False
+        return True  # a leaf of its own (one value per rank): the containers above it are walked
     if isinstance(v, dict):
         return any(_holds_tensor(x, depth + 1) for x in v.values())
     if isinstance(v, (list, tuple)):

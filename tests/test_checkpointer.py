@@ -106,6 +106,11 @@ def test_compatibility_checks(tmp_path):
     assert Checkpointer(str(tmp_path), config={"hidden": 32}).restore(other, allow_mismatch=True) == 1
 
 
+def test_equal_configs_are_compatible_whatever_their_order_or_number_type(tmp_path):
+    Checkpointer(str(tmp_path), config={0: 64, 1: 128, "steps": 1000}).save(1, make())
+    assert Checkpointer(str(tmp_path), config={1: 128, 0: 64, "steps": 1000.0}).restore(make()) == 1
+
+
 def test_dead_staging_dirs_expire_live_ones_stay(tmp_path):
     ck = Checkpointer(str(tmp_path), lease_seconds=60)
     ck.save(1, make())
@@ -263,3 +268,81 @@ def test_restore_names_entries_the_checkpoint_does_not_hold(tmp_path):
     sampler = ResumableSampler(100, seed=0)
     with pytest.warns(UserWarning, match="not in the checkpoint, left as they are: sampler"):
         assert Checkpointer(root).restore({"model": m, "sampler": sampler}) == 10
+
+
+class _Ema:
+    def __init__(self, n):
+        self.shadow = torch.zeros(n)
+
+    def state_dict(self):
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, sd):
+        self.shadow.copy_(sd["shadow"])
+
+
+@pytest.mark.parametrize("allow_fresh_start", [False, True])
+def test_a_state_that_does_not_fit_is_the_callers_error_and_quarantines_nothing(tmp_path, allow_fresh_start):
+    """A resized entry is the caller's mistake, not a bad checkpoint: restore raises at once,
+    every checkpoint stays, and allow_fresh_start does not turn it into a restart from step 0."""
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(4, 4)
+    ck = Checkpointer(root)
+    for s in (1, 2):
+        ck.save(s, {"model": m, "ema": _Ema(10)})
+    before = sorted(os.listdir(root))
+    with pytest.raises(shardfmt.StateDictError, match="does not fit the checkpoint.*nothing was quarantined"):
+        Checkpointer(root, allow_fresh_start=allow_fresh_start).restore({"model": torch.nn.Linear(4, 4),
+                                                                         "ema": _Ema(12)})
+    assert sorted(os.listdir(root)) == before
+    assert Checkpointer(root).restore({"model": torch.nn.Linear(4, 4), "ema": _Ema(10)}) == 2
+
+
+def _trajectory(opt_kind, ck=None, save_first=False, steps=6):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 1)
+    o = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.5) if opt_kind == "sgd"
+         else torch.optim.Rprop(m.parameters(), lr=0.01))
+    if save_first:
+        ck.save(0, {"model": m, "optim": o})
+        m2 = torch.nn.Linear(8, 1)
+        o = (torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9, dampening=0.5) if opt_kind == "sgd"
+             else torch.optim.Rprop(m2.parameters(), lr=0.01))
+        assert ck.restore({"model": m2, "optim": o}) == 0
+        m = m2
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        loss = m(torch.randn(4, 8, generator=g)).pow(2).mean()
+        o.zero_grad()
+        loss.backward()
+        o.step()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("opt_kind", ["sgd", "rprop"])
+def test_resuming_an_optimizer_saved_before_its_first_step_is_exact(tmp_path, opt_kind):
+    """The state torch makes for a never-stepped optimizer (a zero-gradient step at lr=0) is not
+    the fresh optimizer's: SGD with dampening would get a zero momentum buffer, Rprop step
+    sizes built from lr=0. Restored, it must be exactly the fresh optimizer again."""
+    ref = _trajectory(opt_kind)
+    got = _trajectory(opt_kind, ck=Checkpointer(str(tmp_path / "run")), save_first=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+def test_per_rank_values_inside_an_entry_are_saved_per_rank(tmp_path):
+    """An entry's state_dict may mark values as per-rank (e.g. each rank's augmentation RNG):
+    they are stored per rank, not replaced by one rank's value or refused."""
+    class Aug:
+        def __init__(self, seed):
+            self.seed = seed
+
+        def state_dict(self):
+            return {"rng": shardfmt.PerRank({"seed": self.seed}), "p": 0.5}
+
+        def load_state_dict(self, sd):
+            self.seed = sd["rng"].value["seed"]
+
+    root = str(tmp_path / "run")
+    Checkpointer(root).save(1, {"aug": Aug(41)})
+    got = Aug(0)
+    assert Checkpointer(root).restore({"aug": got}) == 1 and got.seed == 41
