@@ -83,6 +83,14 @@ def _config_hash(config: Any) -> str | None:
     return hashing.digest_bytes(orjson.dumps(jsonvalue.encode(config, where="config"), option=orjson.OPT_SORT_KEYS))
 
 
+def _optimizer_signature(state: Mapping[str, Any], sd: Mapping[str, Any]) -> dict:
+    """Each optimizer's class and its parameter groups (sets of parameter names, in a stable order)."""
+    return {name: {"class": f"{type(obj).__module__}.{type(obj).__qualname__}",
+                   "groups": sorted(sorted(str(p) for p in g.get("params", []))
+                                    for g in sd[name].get("param_groups", []))}
+            for name, obj in state.items() if _is_optimizer(obj)}
+
+
 def _equal(a: Any, b: Any) -> bool:
     """``a == b`` for configs whose typed JSON differs (dict order, 1000 vs 1000.0); False where
     comparing fails (arrays)."""
@@ -102,10 +110,10 @@ class Checkpointer:
                  archive: str | None = None, archive_every: int = 1,
                  archive_storage_options: dict | None = None, archive_attempts: int = 4,
                  archive_backoff: float = 2.0) -> None:
-        if keep_last < 1:
-            raise ValueError("keep_last must be >= 1")
-        if archive_every < 1:
-            raise ValueError("archive_every must be >= 1")
+        for name, v, none_ok in (("keep_last", keep_last, False), ("keep_every", keep_every, True),
+                                 ("archive_every", archive_every, False)):
+            if not (v is None and none_ok) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"Checkpointer: {name} must be an int >= 1{' or None' if none_ok else ''}, got {v!r}")
         if lease_seconds is not None:  # the saves' heartbeat and the collector agree on it
             storage_options = dict(storage_options or {}, lease_seconds=lease_seconds)
         self.storage, self.root = get_storage(root, storage_options)
@@ -224,7 +232,8 @@ class Checkpointer:
         sd[RNG_KEY] = PerRank(rng.capture())
         meta = {"user": metadata, "unstepped": sorted(self._fresh_optims),
                 "config": self.config, "config_hash": _config_hash(self.config),
-                "signature": signature, "entries": sorted(state), "world_size": self._world()}
+                "signature": signature, "optimizers": _optimizer_signature(state, sd),
+                "entries": sorted(state), "world_size": self._world()}
         path = self.storage.join(self.root, step_dir_name(step))
         self.storage.makedirs(self.root)
         url = self.storage.url(path)
@@ -420,7 +429,7 @@ class Checkpointer:
             err = None
             try:
                 manifest = open_checkpoint(path, storage=storage).manifest
-                self._check_compat(path, manifest, signature, state, allow_mismatch)
+                self._check_compat(path, manifest, signature, _optimizer_signature(state, sd), allow_mismatch)
                 report = load(sd, storage.url(path), strict=False, per_rank="skip",
                               process_group=self.process_group, storage_options=opts)
             except CompatibilityError:
@@ -494,7 +503,7 @@ class Checkpointer:
             out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
         return {"candidates": out, "any": seen_any}
 
-    def _check_compat(self, path, manifest, signature, state, allow_mismatch) -> None:
+    def _check_compat(self, path, manifest, signature, optimizers, allow_mismatch) -> None:
         from . import jsonvalue
 
         meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
@@ -520,6 +529,18 @@ class Checkpointer:
                           if changed else ""]
                 raise CompatibilityError(f"{path}: model {name!r} differs from the checkpoint: "
                                          + "; ".join(d for d in detail if d) + " (pass allow_mismatch=True)")
+        for name, now in optimizers.items():  # a class or grouping change would load, then fail or train
+            old = (meta.get("optimizers") or {}).get(name)  # differently (a group's weight decay dropped)
+            if old is None:
+                continue
+            if old["class"] != now["class"]:
+                raise CompatibilityError(f"{path}: optimizer {name!r} is a {now['class']}, the checkpoint holds a "
+                                         f"{old['class']} (pass allow_mismatch=True to load what matches)")
+            if old["groups"] != now["groups"]:
+                raise CompatibilityError(
+                    f"{path}: optimizer {name!r} groups its parameters differently from the checkpoint: "
+                    f"{len(old['groups'])} group(s) saved, {len(now['groups'])} now; first saved groups: "
+                    f"{[g[:3] for g in old['groups'][:3]]} (pass allow_mismatch=True)")
 
     def _apply(self, state, sd, report, manifest, *, dirty: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import (

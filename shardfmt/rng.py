@@ -19,6 +19,9 @@ def capture() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        # the device this rank trains on: resumed on a node where the rank has another index
+        # (8 GPUs a node -> 4), it gets its own stream back, not the one of the same index
+        state["cuda_current"] = torch.cuda.get_rng_state(torch.cuda.current_device()).numpy().tobytes()
     return state
 
 
@@ -31,3 +34,6 @@ def restore(state: dict[str, Any]) -> None:
     if cuda and torch.cuda.is_available():
         n = min(len(cuda), torch.cuda.device_count())
         torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in cuda[:n]])
+    mine = state.get("cuda_current")
+    if mine is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(mine), dtype=torch.uint8), torch.cuda.current_device())

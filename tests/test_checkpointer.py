@@ -346,3 +346,63 @@ def test_per_rank_values_inside_an_entry_are_saved_per_rank(tmp_path):
     Checkpointer(root).save(1, {"aug": Aug(41)})
     got = Aug(0)
     assert Checkpointer(root).restore({"aug": got}) == 1 and got.seed == 41
+
+
+def test_an_optimizer_of_another_class_or_grouping_is_incompatible(tmp_path):
+    """Loaded anyway, SGD -> AdamW fails at the first step (KeyError 'betas') and 2 groups -> 1
+    silently drops a group's weight decay: both are refused up front, nothing quarantined."""
+    def state(kind="adamw", groups=2, swap=False):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 4)
+        gs = [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}]
+        gs = gs[::-1] if swap else gs
+        params = gs if groups == 2 else m.parameters()
+        o = torch.optim.AdamW(params, lr=0.01) if kind == "adamw" else torch.optim.SGD(params, lr=0.01)
+        return {"model": m, "optim": o}
+
+    root = str(tmp_path / "run")
+    Checkpointer(root).save(1, state())
+    with pytest.raises(CompatibilityError, match="is a torch.optim.sgd.SGD, the checkpoint holds a .*AdamW"):
+        Checkpointer(root).restore(state(kind="sgd"))
+    with pytest.raises(CompatibilityError, match="groups its parameters differently"):
+        Checkpointer(root).restore(state(groups=1))
+    assert os.listdir(root) == ["step_000000001"]
+    s = state(swap=True)  # the same groups in another order: loaded group by group
+    assert Checkpointer(root).restore(s) == 1
+    wd = {id(p): g["weight_decay"] for g in s["optim"].param_groups for p in g["params"]}
+    assert (wd[id(s["model"].weight)], wd[id(s["model"].bias)]) == (0.1, 0.0)
+
+
+class _FakeCuda:
+    """torch.cuda's RNG calls on a node of ``n`` devices, this rank on ``current``: CPU stand-in."""
+
+    def __init__(self, monkeypatch, n, current):
+        self.states = [torch.full((16,), 100 + i, dtype=torch.uint8) for i in range(n)]
+        c = torch.cuda
+        for name, fn in {"is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: n,
+                         "current_device": lambda: current,
+                         "get_rng_state_all": lambda: [s.clone() for s in self.states],
+                         "set_rng_state_all": self._set_all,
+                         "get_rng_state": lambda d="cuda": self.states[d].clone(),
+                         "set_rng_state": self._set}.items():
+            monkeypatch.setattr(c, name, fn)
+
+    def _set_all(self, states):
+        for i, s in enumerate(states):
+            self.states[i] = s.clone()
+
+    def _set(self, s, d="cuda"):
+        self.states[d] = s.clone()
+
+
+def test_a_rank_resumed_on_another_device_index_gets_its_own_cuda_rng_stream(monkeypatch):
+    from shardfmt import rng
+
+    with monkeypatch.context() as mp:
+        old = _FakeCuda(mp, 8, current=5)  # rank 5 of 8 GPUs a node
+        old.states[5] = torch.full((16,), 55, dtype=torch.uint8)
+        saved = rng.capture()
+    with monkeypatch.context() as mp:
+        new = _FakeCuda(mp, 4, current=1)  # the same rank on a 4-GPU node
+        rng.restore(saved)
+    assert int(new.states[1][0]) == 55
