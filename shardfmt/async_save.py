@@ -372,7 +372,20 @@ def _wait_all_at_exit() -> None:
             log.error("shardfmt: async save to %s failed: %s", h.path, e)
 
 
-atexit.register(_wait_all_at_exit)
+def at_exit(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` when the main thread ends, before ``concurrent.futures`` stops taking work: a
+    save still writing at that point needs its thread pools (``atexit`` runs too late for them)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # already shutting down
+        pass
+    atexit.register(fn)
+
+
+at_exit(_wait_all_at_exit)
 
 
 def _any_rank(flag: bool, process_group, timeout) -> bool:

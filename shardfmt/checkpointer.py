@@ -28,7 +28,6 @@ checkpoint under ``root`` is valid (the disk died), ``restore`` falls back to th
 
 from __future__ import annotations
 
-import atexit
 import datetime as _dt
 import threading
 import warnings
@@ -42,6 +41,7 @@ import torch
 
 from . import hashing, rng
 from .api import load, save
+from .async_save import at_exit
 from .errors import (
     CheckpointNotFoundError,
     ShardfmtError,
@@ -143,7 +143,7 @@ class Checkpointer:
         self._archive_lock = threading.Lock()
         self._last_archived_bucket: int | None = None
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref()._wait_quietly())
+        at_exit(lambda: ref() is not None and ref()._wait_quietly())
 
     # ------------------------------------------------------------------ distributed helpers
     def _dist(self) -> bool:

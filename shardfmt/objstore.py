@@ -370,7 +370,7 @@ class FsspecStorage:
         data = self._call(path, "read", self.fs.cat_file, path, start=0, end=limit + 1)
         self.stats.add_read(len(data))
         if len(data) > limit:
-            raise StorageError(f"{self.url(path)}: larger than the {limit}-byte limit")
+            raise IntegrityError(f"{self.url(path)}: larger than the {limit}-byte limit")  # not a storage failure
         return data
 
     def write_bytes(self, path: str, data: bytes, *, sync: bool = True, exclusive: bool = False) -> None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from .commit import is_save_leftover
-from .errors import CheckpointNotFoundError, ShardfmtError
+from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, QUARANTINED_NAME
 from .retention import lease_expired, parse_step_dir
 from .storage import Storage
@@ -40,13 +40,15 @@ def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int
         return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
     try:
         ckpt = open_checkpoint(path, storage=storage)
+    except StorageError:
+        raise  # a failed read (network, throttling, permission) says nothing about the checkpoint
     except ShardfmtError as e:
         return "corrupt", None, None, str(e)
     m = ckpt.manifest
     for fname, f in m.files.items():
         try:
             size = storage.size(storage.join(path, fname))
-        except ShardfmtError:
+        except CheckpointNotFoundError:
             return "corrupt", m.step, None, f"{fname} is missing"
         if size != f.size:
             return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"

@@ -300,7 +300,7 @@ class LocalStorage:
             raise _storage_error(path, e, "read") from None
         self.stats.add_read(len(data))
         if len(data) > limit:
-            raise StorageError(f"{path}: larger than the {limit}-byte limit")
+            raise IntegrityError(f"{path}: larger than the {limit}-byte limit")  # not a storage failure
         return data
 
     def write_bytes(self, path: str, data: bytes, *, sync: bool = True, exclusive: bool = False) -> None:

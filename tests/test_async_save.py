@@ -304,3 +304,39 @@ def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, mo
         stager.inflight.wait()
     assert all(h.done() for h in list(_LIVE))
     assert not (tmp_path / "c").exists()
+
+
+def test_a_save_still_writing_when_the_script_ends_is_committed_before_exit(tmp_path):
+    """The interpreter waits for background saves (Checkpointer's and plain async_save's) before
+    concurrent.futures stops taking work: the writer's thread pools still run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import time, torch, shardfmt
+        import shardfmt.writer as W
+        from shardfmt.checkpointer import Checkpointer
+        real = W.write_shard_file
+        def slow(*a, **k):
+            time.sleep(1.0)  # still writing when the main thread ends
+            return real(*a, **k)
+        W.write_shard_file = slow
+        import shardfmt.distributed as D
+        D.write_shard_file = slow
+        real_rank = W.CheckpointWriter.write_rank
+        def slow_rank(self, *a, **k):
+            time.sleep(1.0)
+            return real_rank(self, *a, **k)
+        W.CheckpointWriter.write_rank = slow_rank
+        state = {{"w": torch.randn(256, 1024)}}
+        Checkpointer({str(tmp_path / "run")!r}).save(1, {{"model": torch.nn.Linear(64, 64)}}, async_=True)
+        shardfmt.async_save(state, {str(tmp_path / "plain")!r}, write_workers=2, part_size=1 << 20)
+        print("main done", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "main done" in out.stdout, out.stderr
+    assert "failed" not in out.stderr, out.stderr
+    assert shardfmt.Checkpointer(str(tmp_path / "run")).latest().endswith("step_000000001")
+    loaded = {"w": torch.zeros(256, 1024)}
+    shardfmt.load(loaded, str(tmp_path / "plain"))

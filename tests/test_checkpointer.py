@@ -406,3 +406,30 @@ def test_a_rank_resumed_on_another_device_index_gets_its_own_cuda_rng_stream(mon
         new = _FakeCuda(mp, 4, current=1)  # the same rank on a 4-GPU node
         rng.restore(saved)
     assert int(new.states[1][0]) == 55
+
+
+def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_path, monkeypatch):
+    """A read that fails (network, throttling: here injected) says nothing about the checkpoint:
+    restore and latest() fail, to be retried, and the good newest checkpoint stays where it is."""
+    from shardfmt.storage import LocalStorage
+
+    root = str(tmp_path / "run")
+    m = torch.nn.Linear(2, 2)
+    ck = Checkpointer(root)
+    ck.save(1, {"model": m})
+    ck.save(2, {"model": m})
+    real = LocalStorage.read_bytes
+
+    def flaky(self, path, *, limit):
+        if "step_000000002" in path:
+            raise shardfmt.StorageError(f"{path}: read failed: Connection reset by peer")
+        return real(self, path, limit=limit)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", flaky)
+    with pytest.raises(shardfmt.StorageError, match="Connection reset"):
+        Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(shardfmt.StorageError, match="Connection reset"):
+        Checkpointer(root).latest()
+    monkeypatch.undo()
+    assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
+    assert Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)}) == 2
