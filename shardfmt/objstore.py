@@ -126,6 +126,7 @@ class _Reader:
                                      Range=f"bytes={offset}-{offset + want - 1}")
             body = resp["Body"]
             try:
+                self._check_range(resp, offset, want)
                 got = 0
                 for b in buffers:
                     pos = 0
@@ -146,12 +147,33 @@ class _Reader:
             except (StorageError, IntegrityError, FileNotFoundError, PermissionError):
                 raise
             except Exception as e:  # noqa: BLE001
-                if "InvalidRange" in str(e) or "416" in str(e):
+                code = (getattr(e.__cause__, "response", None) or {}).get("Error", {}).get("Code")
+                if code == "InvalidRange" or "InvalidRange" in str(e) or "416" in str(e):
                     raise IntegrityError(f"{self._st.url(self._path)}: bytes from {offset} are past its end "
                                          "(truncated?)") from None
                 if attempt == 2:
                     raise
                 time.sleep(0.2 * 2 ** attempt)  # transient transfer errors: retried, then reported
+
+    def _check_range(self, resp: dict, offset: int, want: int) -> None:
+        """The object's size (from Content-Range, at no extra request) must be the one expected,
+        and the body the range asked for: a store or proxy ignoring Range sends the whole object."""
+        where = self._st.url(self._path)
+        cr = resp.get("ContentRange")
+        if cr is None:
+            if offset != 0 or resp.get("ContentLength") != want:
+                raise IntegrityError(f"{where}: the store ignored the byte range {offset}-{offset + want - 1}")
+            total = self.size if want == self.size else None
+        else:
+            try:
+                total = int(cr.rsplit("/", 1)[1])
+                start = int(cr.split()[1].split("-")[0])
+            except (IndexError, ValueError):
+                raise IntegrityError(f"{where}: unreadable Content-Range {cr!r}") from None
+            if start != offset:
+                raise IntegrityError(f"{where}: asked for bytes from {offset}, got from {start}")
+        if total is not None and total != self.size:
+            raise IntegrityError(f"{where}: is {total} bytes, the manifest says {self.size} (changed after the save?)")
 
     def prefetch(self, offset: int, length: int) -> None:
         """No read-ahead hint on object stores: each read is one request already."""
@@ -556,6 +578,10 @@ def fsspec_storage(url: str, storage_options: dict | None = None) -> tuple[Fsspe
         fs, path = fsspec.core.url_to_fs(url, **_with_defaults(protocol, opts))
     except (ImportError, ValueError, TypeError) as e:
         raise StorageError(f"{url}: no storage backend ({e})") from None
+    if type(fs).__name__ == "S3FileSystem" and hasattr(fs, "retries"):
+        # botocore already retries (S3_CONFIG_DEFAULTS); s3fs's own retries (5) around each of its
+        # attempts multiply into ~80 requests a call: a hung endpoint took hours to report
+        fs.retries = 1
     st = FsspecStorage(fs, part_size=part_size, write_concurrency=concurrency)
     st.lease_seconds = float(lease)
     if st.protocol == "memory" and not path.startswith("/"):

@@ -473,3 +473,21 @@ def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
     storage, _ = shardfmt.storage.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
     assert storage.lease_seconds == 8  # what save() builds from the same options: heartbeat every 2 s
+
+
+@pytest.mark.parametrize("change", ["appended", "truncated"])
+def test_a_data_object_of_another_size_is_refused_even_unverified(server, bucket, change):
+    """Spec: a file's size is always checked. On S3 it comes with every ranged GET
+    (Content-Range), so a load that reads only one tensor, verify on or off, refuses an object
+    whose size is not the manifest's (a truncation that spares the bytes read included)."""
+    url = f"{bucket}/run/step_1"
+    state = {"a": torch.arange(1024.0), "z": torch.ones(1 << 20)}
+    shardfmt.save(state, url, step=1)
+    fs = _fs(server)
+    key = f"{url[5:]}/data/rank_00000.safetensors"
+    raw = fs.cat_file(key)
+    fs.pipe_file(key, raw + b"\0" * 4096 if change == "appended" else raw[:-100])
+    for verify in (True, False):
+        got = {"a": torch.zeros(1024)}
+        with pytest.raises(shardfmt.IntegrityError, match="the manifest says"):
+            shardfmt.load(got, url, strict=False, verify=verify)
