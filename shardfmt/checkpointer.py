@@ -55,7 +55,14 @@ from .retention import (
     step_dir_name,
     to_delete,
 )
-from .roots import CheckpointInfo, collect_garbage, list_steps
+from .roots import (
+    CheckpointInfo,
+    checkpoint_status,
+    collect_garbage,
+    list_steps,
+    newest_committed,
+    step_paths,
+)
 from .state import PerRank
 from .storage import get_storage
 
@@ -256,19 +263,20 @@ class Checkpointer:
             return handle
         self._wait_saves()
         save(sd, url, **common)
-        if self._rank() == 0:
-            self._maybe_archive(step, path)
-            self._apply_retention()
+        self._after_commit(step)
         return path
 
     def _after_async_commit(self, manifest) -> None:
+        self._after_commit(manifest.step)
+
+    def _after_commit(self, step: int) -> None:
         if self._rank() != 0:
             return
         try:
-            self._maybe_archive(manifest.step, self.storage.join(self.root, step_dir_name(manifest.step)))
+            self._maybe_archive(step, self.storage.join(self.root, step_dir_name(step)))
             self._apply_retention()
         except _FAILURES as e:  # the checkpoint is committed; a failed clean-up must not fail it
-            warnings.warn(f"{self.root}: retention after step {manifest.step} failed: {e}", stacklevel=2)
+            warnings.warn(f"{self.root}: retention after step {step} failed: {e}", stacklevel=3)
 
     # ------------------------------------------------------------------ archive tier
     def _archived_steps(self) -> list[int]:
@@ -369,13 +377,19 @@ class Checkpointer:
         self.close()
 
     def _apply_retention(self) -> None:
-        committed = [i for i in self.list() if i.status == "committed"]
-        for step in to_delete([i.step for i in committed], keep_last=self.keep_last, keep_every=self.keep_every):
-            info = next(i for i in committed if i.step == step)
+        # The newest keep_last committed checkpoints are checked in full (a torn one does not
+        # count); older ones by their markers alone, so a pass costs the same with 10 or 10,000
+        # checkpoints kept (keep_every).
+        committed: dict[int, str] = {}
+        for step, path in reversed(step_paths(self.storage, self.root)):
+            full = len(committed) < self.keep_last
+            if checkpoint_status(self.storage, path, markers_only=not full)[0] == "committed":
+                committed[step] = path
+        for step in to_delete(list(committed), keep_last=self.keep_last, keep_every=self.keep_every):
             with self._archive_lock:
-                if info.path in self._archiving:
+                if committed[step] in self._archiving:
                     continue  # being copied to the archive: removed by a later retention pass
-            self.storage.remove_tree(info.path)
+            self.storage.remove_tree(committed[step])
         self.collect_garbage()
 
     def collect_garbage(self, *, now: float | None = None) -> list[str]:
@@ -393,8 +407,7 @@ class Checkpointer:
 
     def latest(self) -> str | None:
         """The newest committed checkpoint (never an in-flight save)."""
-        committed = [i for i in self.list() if i.status == "committed"]
-        return committed[-1].path if committed else None
+        return newest_committed(self.storage, self.root)
 
     def _quarantine(self, path: str, reason: str) -> None:
         import uuid

@@ -27,8 +27,12 @@ class CheckpointInfo:
     reason: str = ""  # why it is not committed
 
 
-def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int | None, str]:
-    """Return (status, step, size, reason) of one checkpoint directory, quickly."""
+def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
+                      ) -> tuple[str, int | None, int | None, str]:
+    """Return (status, step, size, reason) of one checkpoint directory, quickly.
+
+    ``markers_only``: look at the COMMITTED and QUARANTINED markers alone (one or two requests
+    on an object store), not at the manifest and the files' sizes."""
     from .reader import open_checkpoint
 
     name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -38,6 +42,8 @@ def checkpoint_status(storage: Storage, path: str) -> tuple[str, int | None, int
         return "incomplete", None, None, f"no {COMMITTED_NAME}"
     if not storage.atomic_rename and storage.exists(storage.join(path, QUARANTINED_NAME)):
         return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
+    if markers_only:
+        return "committed", None, None, ""
     try:
         ckpt = open_checkpoint(path, storage=storage)
     except StorageError:
@@ -82,22 +88,33 @@ def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dic
     return out
 
 
-def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
-    """Every ``step_*`` under ``root``, oldest first, with its status."""
+def step_paths(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """Every ``step_*`` under ``root``, oldest first, as (step, path): one listing, nothing opened."""
     if not storage.exists(root):
         check = getattr(storage, "check_bucket", None)
         if check is not None:
             check(root)  # an empty root is fine; a misspelled bucket is an error, not "no checkpoints"
         return []
+    found = [(parse_step_dir(name), storage.join(root, name)) for name in storage.listdir(root)]
+    return sorted((step, path) for step, path in found if step is not None)
+
+
+def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
+    """Every ``step_*`` under ``root``, oldest first, with its status."""
     out = []
-    for name in storage.listdir(root):
-        step = parse_step_dir(name)
-        if step is None:
-            continue
-        path = storage.join(root, name)
+    for step, path in step_paths(storage, root):
         status, _, _, reason = checkpoint_status(storage, path)
         out.append(CheckpointInfo(step=step, path=path, status=status, reason=reason))
-    return sorted(out, key=lambda i: i.step)
+    return out
+
+
+def newest_committed(storage: Storage, root: str) -> str | None:
+    """The newest committed checkpoint under ``root``: checked newest first, stopping at the first
+    that passes (the cost does not grow with the number of checkpoints kept)."""
+    for _, path in reversed(step_paths(storage, root)):
+        if checkpoint_status(storage, path)[0] == "committed":
+            return path
+    return None
 
 
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,

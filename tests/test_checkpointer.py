@@ -433,3 +433,23 @@ def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_p
     monkeypatch.undo()
     assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
     assert Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)}) == 2
+
+
+def test_latest_and_retention_open_a_bounded_number_of_checkpoints(tmp_path, monkeypatch):
+    """With keep_every the kept checkpoints grow without end; latest() and each save's retention
+    pass must not open every one of them (on S3, ~6 requests and a HEAD per file each)."""
+    import shardfmt.reader as R
+
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, keep_last=2, keep_every=1)  # keep everything
+    m = torch.nn.Linear(2, 2)
+    for s in range(1, 13):
+        ck.save(s, {"model": m})
+    opened = []
+    real = R.open_checkpoint
+    monkeypatch.setattr(R, "open_checkpoint", lambda path, **kw: (opened.append(path), real(path, **kw))[1])
+    assert ck.latest().endswith("step_000000012") and len(opened) == 1
+    opened.clear()
+    ck.save(13, {"model": m})
+    assert len(opened) <= 3, opened  # the newest keep_last in full, the rest by their markers
+    assert len([n for n in os.listdir(root) if n.startswith("step_")]) == 13
