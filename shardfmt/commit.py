@@ -44,6 +44,7 @@ from .manifest import (
     LEASE_NAME,
     MANIFEST_NAME,
     MAX_COMMITTED_BYTES,
+    MAX_MANIFEST_BYTES,
     QUARANTINED_NAME,
     CommitRecord,
     Manifest,
@@ -192,7 +193,14 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
     step("files_written")
     manifest_bytes = manifest.to_json()
     record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
-    storage.write_bytes(storage.join(staging, MANIFEST_NAME), manifest_bytes)
+    mpath = storage.join(staging, MANIFEST_NAME)
+    try:  # object stores: only if absent, so a stale save can never replace a racing save's manifest
+        storage.write_bytes(mpath, manifest_bytes, exclusive=not storage.atomic_rename)
+    except CheckpointExistsError:
+        # ours if a retried PUT's first attempt landed (its reply lost)
+        if storage.read_bytes(mpath, limit=MAX_MANIFEST_BYTES) != manifest_bytes:
+            raise CheckpointExistsError(f"{storage.url(path)}: another save wrote its manifest here (this save "
+                                        "outlived its lease?); nothing of it was replaced") from None
     step("manifest_written")
     marker = storage.join(staging, COMMITTED_NAME)
     if not storage.atomic_rename:

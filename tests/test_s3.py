@@ -333,6 +333,28 @@ def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
     assert not fs.exists(url[5:] + "/COMMITTED")
 
 
+def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(server, bucket):
+    """A stalled save (its lease expired) resumes while a newer save of the same path has written
+    its manifest and committed: the stale save fails, and the newer checkpoint stays intact
+    (its manifest was once replaced, leaving a committed checkpoint whose manifest failed its hash)."""
+    url, other = f"{bucket}/race/step_1", f"{bucket}/race_b/step_1"
+    fs = _fs(server)
+    newer = _state(seed=1, rows=64)
+    shardfmt.save(newer, other, step=1)
+
+    def takeover(step):
+        if step == "files_written":  # the newer save wrote everything and committed meanwhile
+            for key in fs.find(other[5:]):
+                fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
+
+    with pytest.raises(shardfmt.CheckpointExistsError):
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+    assert shardfmt.validate(url, deep=True).ok
+    back = _empty_like(newer)
+    shardfmt.load(back, url)
+    assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
+
+
 @pytest.fixture(scope="module")
 def auth_server():
     srv = s3_server.start(auth=True)
