@@ -240,6 +240,8 @@ class Bench:
         gc.collect()
         malloc_trim()
         self.sync_device()
+        if self.a.get("settle"):
+            time.sleep(self.a["settle"])
         self.barrier()
         gc.disable()
         before = self.sampler.start()
@@ -680,6 +682,10 @@ def main(argv=None) -> int:
                                                                f"{','.join(GROUPS)})")
     p.add_argument("--quick", action="store_true", help="smoke test: 128 MiB, 2 rounds (unless given)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir next to the repository)")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds every rank waits before each measured op, so each starts from the same "
+                        "memory state (a VM that hands freed memory back to its host makes the next op's "
+                        "first touches slow, depending on what ran before; default 0)")
     p.add_argument("--json", default=None, help="write the raw per-round per-rank figures and the summary here")
     p.add_argument("--job-timeout", type=float, default=7200.0, help="seconds before the ranks are killed")
     args = p.parse_args(argv)
@@ -712,6 +718,7 @@ def main(argv=None) -> int:
         print("WARNING: less free disk than 1.5x the state: saves may fail", flush=True)
     code0, load0, t0 = code_fingerprint(), os.getloadavg()[0], time.perf_counter()
     wargs = {"size_mib": size, "rounds": rounds, "fsync": args.fsync, "device": args.device, "methods": methods,
+             "settle": args.settle,
              "base": os.path.join(scratch, "ckpt"), "pg_timeout": max(900.0, args.job_timeout / 2)}
     os.makedirs(wargs["base"])
     try:
