@@ -102,6 +102,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if (state.get("seed"), state.get("shuffle")) != (self.seed, self.shuffle):
             raise StateDictError("sampler seed/shuffle differ from the saved ones "
                                  f"({state.get('seed')}, {state.get('shuffle')}) != ({self.seed}, {self.shuffle})")
+        saved_drop = bool(state.get("drop_last", self.drop_last))
+        if saved_drop != self.drop_last:  # which samples the epoch holds: another value changes the run
+            raise StateDictError(f"sampler drop_last differs from the saved one ({saved_drop} != {self.drop_last}); "
+                                 "construct it with the saved value to resume")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
-        self.drop_last = bool(state.get("drop_last", self.drop_last))

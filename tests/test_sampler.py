@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from shardfmt.errors import StateDictError
 from shardfmt.sampler import ResumableSampler
 
 
@@ -77,6 +78,8 @@ def test_mismatched_dataset_is_refused():
     s = ResumableSampler(10, seed=0)
     with pytest.raises(Exception, match="dataset of 10"):
         ResumableSampler(11, seed=0).load_state_dict(s.state_dict())
+    with pytest.raises(StateDictError, match="drop_last differs"):  # was silently replaced by the saved one
+        ResumableSampler(10, seed=0, drop_last=True).load_state_dict(s.state_dict())
 
 
 @pytest.mark.parametrize("n,world,batch", [(11, 2, 5), (103, 4, 5), (1001, 8, 25), (3, 4, 2), (64, 4, 8)])
