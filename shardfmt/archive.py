@@ -114,5 +114,5 @@ def copy_with_retries(copy: Callable[[], Manifest], *, attempts: int = 4, backof
                 raise
             if on_retry is not None:
                 on_retry(i + 1, e)
-            time.sleep(backoff * 2 ** i)
+            time.sleep(min(backoff * 2 ** i, 300.0))  # capped: never days between tries
     raise AssertionError("unreachable")

@@ -118,7 +118,7 @@ class Checkpointer:
                  archive_storage_options: dict | None = None, archive_attempts: int = 4,
                  archive_backoff: float = 2.0) -> None:
         for name, v, none_ok in (("keep_last", keep_last, False), ("keep_every", keep_every, True),
-                                 ("archive_every", archive_every, False)):
+                                 ("archive_every", archive_every, False), ("archive_attempts", archive_attempts, False)):
             if not (v is None and none_ok) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"Checkpointer: {name} must be an int >= 1{' or None' if none_ok else ''}, got {v!r}")
         if lease_seconds is not None:  # the saves' heartbeat and the collector agree on it
@@ -139,6 +139,11 @@ class Checkpointer:
         self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
         self.archive_storage, self.archive_root = (get_storage(archive, archive_storage_options)
                                                    if archive else (None, None))
+        if isinstance(archive_backoff, bool) or not isinstance(archive_backoff, (int, float)) \
+                or not 0 <= archive_backoff < float("inf"):
+            raise ValueError(f"Checkpointer: archive_backoff must be a finite number >= 0, got {archive_backoff!r}")
+        if archive and self.archive_storage.url(self.archive_root).rstrip("/") == self.storage.url(self.root).rstrip("/"):
+            raise ValueError(f"Checkpointer: archive= {archive!r} is the root itself: it would be no second copy")
         self.archive_every = archive_every
         self.archive_storage_options = archive_storage_options
         self.archive_attempts = archive_attempts
@@ -326,6 +331,8 @@ class Checkpointer:
             msg = f"archiving step {step} to {where} failed: {type(e).__name__}: {e}"
             self.archive_errors.append(msg)
             warnings.warn(msg, stacklevel=2)
+            with self._archive_lock:  # the bucket has no copy: the next save (re-listing the archive) tries again
+                self._last_archived_bucket = None
         finally:
             with self._archive_lock:
                 self._archiving.discard(path)
@@ -493,7 +500,8 @@ class Checkpointer:
         return None
 
     def _candidates(self) -> dict:
-        """Committed checkpoints to try, newest first: root's, then (the disk died) the archive's."""
+        """Committed checkpoints to try, newest step first across the root and the archive (the
+        root's copy first within a step)."""
         out, seen_any = [], False
         tiers = [("root", self.storage, self.root)]
         if self.archive_storage is not None:
@@ -502,7 +510,10 @@ class Checkpointer:
             try:
                 infos = list_steps(storage, root)
             except _FAILURES as e:
-                if tier == "root" and self.archive_storage is None:
+                # the root cannot be listed: without an archive, restore fails; with one, only a
+                # missing root (the disk died) falls back to it; a failed listing would pick an
+                # archived step older than what the root holds
+                if tier == "root" and (self.archive_storage is None or not isinstance(e, CheckpointNotFoundError)):
                     return {"error": f"{storage.url(root)}: cannot list checkpoints: {e}"}
                 warnings.warn(f"{storage.url(root)}: cannot list checkpoints: {e}", stacklevel=3)
                 continue
@@ -514,7 +525,8 @@ class Checkpointer:
                                       stacklevel=3)
                         self._quarantine(i.path, i.reason)
             out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
-        return {"candidates": out, "any": seen_any}
+        out.sort(key=lambda c: (-c[0], c[1] != "root"))  # newest step first (an archived newer step beats
+        return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
 
     def _check_compat(self, path, manifest, signature, optimizers, allow_mismatch) -> None:
         from . import jsonvalue

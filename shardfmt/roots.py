@@ -9,12 +9,13 @@ A live save keeps its lease fresh, so a collector never touches it.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
 from .commit import is_save_leftover
 from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME, QUARANTINED_NAME
+from .manifest import COMMITTED_NAME, DATA_DIR, MANIFEST_NAME, QUARANTINED_NAME
 from .retention import lease_expired, parse_step_dir
 from .storage import Storage
 
@@ -117,6 +118,18 @@ def newest_committed(storage: Storage, root: str) -> str | None:
     return None
 
 
+_STAGING_RE = re.compile(r".+\.tmp-[0-9a-f]{16}")  # <name>.tmp-<save id> (spec section 2)
+
+
+def _is_staging_dir(storage: Storage, name: str, path: str) -> bool:
+    """Whether ``path`` is a local save's staging dir: its name, and nothing in it but what a save writes."""
+    if not _STAGING_RE.fullmatch(name) or not storage.isdir(path):
+        return False
+    return all(n in (MANIFEST_NAME, COMMITTED_NAME)
+               or (n.startswith(DATA_DIR + "/") and n.endswith(".safetensors") and "/" not in n[len(DATA_DIR) + 1:])
+               for n in storage.list_tree(path))
+
+
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
                     now: float | None = None, dry_run: bool = False) -> list[str]:
     """Remove what dead saves left under ``root``; return the URLs removed (or, dry, to remove)."""
@@ -136,6 +149,8 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
                     states[name] = "committed"  # retention's business, never gc's
                 elif not storage.atomic_rename and not is_save_leftover(storage, path):
                     states[name] = "keep"  # not what a save writes: not ours to remove
+                elif storage.atomic_rename and not _is_staging_dir(storage, name, path):
+                    states[name] = "keep"  # "notes.tmp-2024.txt", "photos.tmp-backup/": a user's, not a save's
                 else:
                     states[name] = "dead" if lease_expired(storage.mtime(path), now, lease) else "keep"
             except ShardfmtError:

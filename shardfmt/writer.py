@@ -429,7 +429,9 @@ class _Lease:
         self._storage = storage
         self._path = path
         self._stop = threading.Event()
-        interval = max(0.5, lease_seconds / 4)
+        # at least every 30 s whatever this save's lease: a collector of another job on the same
+        # root judges it by its own lease (the defaults are 120 s and more), not by this one's
+        self.interval = interval = max(0.5, min(lease_seconds, 120.0) / 4)
 
         def beat() -> None:
             while not self._stop.wait(interval):

@@ -114,15 +114,26 @@ def test_equal_configs_are_compatible_whatever_their_order_or_number_type(tmp_pa
 def test_dead_staging_dirs_expire_live_ones_stay(tmp_path):
     ck = Checkpointer(str(tmp_path), lease_seconds=60)
     ck.save(1, make())
-    dead = tmp_path / "step_000000002.tmp-dead"
-    live = tmp_path / "step_000000003.tmp-live"
+    dead = tmp_path / "step_000000002.tmp-0123456789abcdef"
+    live = tmp_path / "step_000000003.tmp-fedcba9876543210"
     dead.mkdir()
     live.mkdir()
+    (dead / "data").mkdir()
+    (dead / "data" / "rank_00000.safetensors").write_bytes(b"x")
+    # a user's things whose names merely contain ".tmp-": never a save's to collect
+    (tmp_path / "notes.tmp-2024.txt").write_text("mine")
+    (tmp_path / "photos.tmp-backup").mkdir()
+    (tmp_path / "photos.tmp-backup" / "a.jpg").write_bytes(b"jpg")
+    odd = tmp_path / "step_000000004.tmp-0123456789abcdef"  # a save's name, other contents
+    odd.mkdir()
+    (odd / "thesis.pdf").write_bytes(b"pdf")
     old = time.time() - 3600
-    os.utime(dead, (old, old))
+    for p in (dead, dead / "data", tmp_path / "notes.tmp-2024.txt", tmp_path / "photos.tmp-backup", odd):
+        os.utime(p, (old, old))
     assert ck.latest().endswith("step_000000001")
     removed = ck.collect_garbage()
     assert removed == [str(dead)] and live.exists()
+    assert {"notes.tmp-2024.txt", "photos.tmp-backup", odd.name} <= set(os.listdir(tmp_path))
 
 
 @pytest.mark.slow
@@ -453,3 +464,79 @@ def test_latest_and_retention_open_a_bounded_number_of_checkpoints(tmp_path, mon
     ck.save(13, {"model": m})
     assert len(opened) <= 3, opened  # the newest keep_last in full, the rest by their markers
     assert len([n for n in os.listdir(root) if n.startswith("step_")]) == 13
+
+
+def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_path, monkeypatch):
+    """One failed copy marked its archive_every bucket done: nothing else in it was archived, and
+    retention then deleted the only copies. The next save of the bucket now tries again."""
+    import warnings
+
+    import shardfmt.archive as A
+
+    root, arch = str(tmp_path / "root"), str(tmp_path / "arch")
+    real, calls = A.copy_checkpoint, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise shardfmt.StorageError("simulated: the archive is unreachable for a while")
+        return real(*a, **k)
+
+    monkeypatch.setattr(A, "copy_checkpoint", flaky)
+    ck = Checkpointer(root, keep_last=2, archive=arch, archive_every=10, archive_attempts=1)
+    m = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(10):
+            ck.save(step, {"model": m})
+            ck.wait()
+    assert len(ck.archive_errors) == 1 and os.listdir(arch) == ["step_000000001"]
+
+
+def test_restore_takes_the_newest_step_whether_on_the_root_or_in_the_archive(tmp_path, monkeypatch):
+    root, arch = str(tmp_path / "root"), str(tmp_path / "arch")
+    ck = Checkpointer(root, archive=arch, archive_every=10)
+    m = torch.nn.Linear(2, 2)
+    for step in (10, 20):
+        with torch.no_grad():
+            m.weight.fill_(float(step))
+        ck.save(step, {"model": m})
+        ck.wait()
+    data = os.path.join(root, "step_000000020", "data")
+    f = os.path.join(data, os.listdir(data)[0])
+    os.truncate(f, os.path.getsize(f) - 8)  # the local copy of step 20 is torn; the archived one is fine
+    got = torch.nn.Linear(2, 2)
+    with pytest.warns(UserWarning):
+        assert Checkpointer(root, archive=arch).restore({"model": got}) == 20
+    assert torch.all(got.weight == 20.0)
+    # a root that cannot be listed (a transient failure) fails the restore: the archive's older
+    # steps are no answer while the root may hold newer ones
+    import shardfmt.checkpointer as C
+
+    real = C.list_steps
+    monkeypatch.setattr(C, "list_steps", lambda st, r: (_ for _ in ()).throw(shardfmt.StorageError("flaky"))
+                        if r == Checkpointer(root).root else real(st, r))
+    with pytest.raises(shardfmt.StorageError, match="cannot list"):
+        Checkpointer(root, archive=arch).restore({"model": torch.nn.Linear(2, 2)})
+
+
+@pytest.mark.parametrize("kw", [{"archive_attempts": 0}, {"archive_backoff": -1.0}, {"archive": "SAME"},
+                                {"keep_every": 0}])
+def test_bad_checkpointer_arguments_are_refused_at_construction(tmp_path, kw):
+    kw = {k: (str(tmp_path) if v == "SAME" else v) for k, v in kw.items()}
+    kw.setdefault("archive", str(tmp_path / "arch"))
+    with pytest.raises(ValueError, match="Checkpointer: "):
+        Checkpointer(str(tmp_path), **kw)
+
+
+def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_path):
+    """Job B saves with a 2 h lease; job A's gc on the same root judges by its own 600 s: B's
+    heartbeat must come more often than any default lease expires (it came every 30 min)."""
+    from shardfmt.storage import LocalStorage
+    from shardfmt.writer import _Lease
+
+    lease = _Lease(LocalStorage(), str(tmp_path), 7200.0)
+    try:
+        assert lease.interval <= 30.0
+    finally:
+        lease.stop()
