@@ -110,25 +110,15 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
 
     try:
         commit = read_commit(storage, path)
-    except CheckpointNotFoundError:
-        raise  # the path cannot be reached at all
-    except StorageError:
-        if not _is_directory(storage, storage.join(path, COMMITTED_NAME)):
-            raise
-        problems.append(Problem(code="not_committed", message=f"{COMMITTED_NAME} is a directory, not a file",
-                                file=COMMITTED_NAME))
-        commit = None
+    except (CheckpointNotFoundError, StorageError):
+        raise  # the path cannot be reached (a COMMITTED that is a directory is a CommitError: a problem)
     except ShardfmtError as e:
         problems.append(Problem(code="not_committed", message=str(e), file=COMMITTED_NAME))
         commit = None
     try:
         raw = read_manifest_bytes(storage, path)
     except StorageError:
-        if not _is_directory(storage, storage.join(path, MANIFEST_NAME)):
-            raise
-        problems.append(Problem(code="manifest_missing", message=f"{MANIFEST_NAME} is a directory, not a file",
-                                file=MANIFEST_NAME))
-        return done()
+        raise
     except ShardfmtError as e:
         problems.append(Problem(code="manifest_missing", message=str(e), file=MANIFEST_NAME))
         return done()
@@ -159,15 +149,6 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     _check_files(storage, path, manifest, problems, deep=deep)
     _check_tensors(manifest, problems)
     return done(manifest)
-
-
-def _is_directory(storage: Storage, path: str) -> bool:
-    """``path`` is a directory where the format puts a file: the checkpoint is reachable, and
-    invalid (a failure to read anything else means it cannot be reached)."""
-    try:
-        return storage.isdir(path)
-    except ShardfmtError:
-        return False
 
 
 def _check_values(m: Manifest, problems: list[Problem]) -> None:

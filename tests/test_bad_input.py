@@ -204,7 +204,7 @@ def test_manifest_over_the_limit(saved, monkeypatch):
 
     monkeypatch.setattr(rd, "MAX_MANIFEST_BYTES", 100)
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 100)
-    with pytest.raises(shardfmt.StorageError, match="limit"):
+    with pytest.raises(shardfmt.IntegrityError, match="limit"):  # the checkpoint is bad, not the storage
         load_w(path)
 
 
