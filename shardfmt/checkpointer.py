@@ -324,6 +324,11 @@ class Checkpointer:
             warnings.warn(f"archiving step {step} to {where} failed (attempt {i} of {self.archive_attempts}, "
                           f"retrying): {e}", stacklevel=2)
 
+        try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again
+            collect_garbage(self.archive_storage, self.archive_root)
+        except _FAILURES as e:
+            warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",
+                          stacklevel=2)
         try:
             copy_with_retries(lambda: copy_checkpoint(self.storage, path, self.archive_storage, dst),
                               attempts=self.archive_attempts, backoff=self.archive_backoff, on_retry=retry)

@@ -540,3 +540,20 @@ def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_pa
         assert lease.interval <= 30.0
     finally:
         lease.stop()
+
+
+def test_a_dead_copys_leftover_in_the_archive_does_not_block_archiving_that_step(tmp_path):
+    root, arch = str(tmp_path / "root"), str(tmp_path / "arch")
+    m = torch.nn.Linear(2, 2)
+    Checkpointer(root).save(10, {"model": m})
+    save_id = shardfmt.read_manifest(os.path.join(root, "step_000000010")).save_id
+    # a copy of step 10 killed part-way long ago left its staging dir in the archive
+    leftover = os.path.join(arch, f"step_000000010.tmp-{save_id}")
+    os.makedirs(os.path.join(leftover, "data"))
+    open(os.path.join(leftover, "data", "rank_00000.safetensors"), "wb").close()
+    old = time.time() - 7200
+    for p in (os.path.join(leftover, "data"), leftover):
+        os.utime(p, (old, old))
+    ck = Checkpointer(root, archive=arch, archive_every=10, archive_attempts=1)
+    ck._archive_one(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
+    assert ck.archive_errors == [] and os.listdir(arch) == ["step_000000010"]
