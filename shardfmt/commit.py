@@ -274,6 +274,29 @@ def abort(storage: Storage, staging: str) -> None:
         pass
 
 
+def abort_own(storage: Storage, path: str, save_id: str) -> None:
+    """Object stores: remove what the failed save ``save_id`` wrote under ``path``, and nothing
+    else: another save may have taken the prefix over (this one outlived its lease). Its LEASE
+    goes too once nothing of another save's is left."""
+    try:
+        names = storage.list_tree(path)
+        tag = f".{save_id}.safetensors"
+        mine = [n for n in names if n.startswith(DATA_DIR + "/") and n.endswith(tag)]
+        if MANIFEST_NAME in names:
+            try:
+                raw = storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
+                if orjson.loads(raw).get("save_id") == save_id:
+                    mine.append(MANIFEST_NAME)
+            except (ShardfmtError, ValueError, AttributeError):
+                pass
+        for n in mine:
+            storage.remove_tree(storage.join(path, n))
+        if set(names) - set(mine) <= {LEASE_NAME}:
+            storage.remove_tree(path)
+    except (OSError, ShardfmtError):
+        pass  # best effort: a leftover is collected once its lease expires
+
+
 def committed_aside(storage: Storage, path: str) -> str | None:
     """Return a committed ``<path>.old-*`` left by a rename-aside overwrite that crashed."""
     parent = posixpath.dirname(path.rstrip("/")) or "."

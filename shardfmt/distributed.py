@@ -466,7 +466,8 @@ def run_save(
                 for h in prepared.held.values() for box, data in h.pieces
                 if writers[(h.fqn, box.offsets, box.lengths)] == rank]
         if mine and rank != 0:
-            written = write_shard_file(storage, status["staging"], _file_name(rank), rank,
+            written = write_shard_file(storage, status["staging"],
+                                       _file_name(rank, None if storage.atomic_rename else status["save_id"]), rank,
                                        _ordered(mine), chunk_size=chunk_size, sync=sync,
                                        workers=write_workers or default_write_workers(), part_size=part_size)
             result = {"ok": True, "rank": rank, "file": _written_json(written)}
@@ -555,10 +556,10 @@ def _check_replicas(descs: list[dict]) -> None:
             ref.setdefault(key, (d["rank"], enc))
 
 
-def _file_name(rank: int) -> str:
+def _file_name(rank: int, save_id: str | None) -> str:
     from .manifest import rank_file_name
 
-    return rank_file_name(rank)
+    return rank_file_name(rank, None, save_id)
 
 
 def _ordered(shards: list[ShardData]) -> list[ShardData]:

@@ -40,11 +40,13 @@ _MESH_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _RANK_KEY_RE = re.compile(r"0|[1-9][0-9]{0,7}")
 
 
-def rank_file_name(rank: int, part: int | None = None) -> str:
-    """Return the data file name of ``rank`` (and of its ``part`` when a rank writes several)."""
-    if part is None:
-        return f"{DATA_DIR}/rank_{rank:05d}.safetensors"
-    return f"{DATA_DIR}/rank_{rank:05d}_part_{part:03d}.safetensors"
+def rank_file_name(rank: int, part: int | None = None, save_id: str | None = None) -> str:
+    """Return the data file name of ``rank`` (and of its ``part`` when a rank writes several).
+
+    ``save_id`` (object stores) goes into the name, so two saves of one prefix never write the
+    same object: one that outlived its lease cannot overwrite or delete the other's data."""
+    stem = f"rank_{rank:05d}" if part is None else f"rank_{rank:05d}_part_{part:03d}"
+    return f"{DATA_DIR}/{stem}.{save_id}.safetensors" if save_id else f"{DATA_DIR}/{stem}.safetensors"
 
 
 # --------------------------------------------------------------------------- records

@@ -510,13 +510,14 @@ class CheckpointWriter:
         lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
         self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
                                        lease_seconds=lease_seconds)
+        self.name_tag = None if storage.atomic_rename else self.save_id  # data file names (rank_file_name)
         self._lease = _Lease(storage, self.staging, lease_seconds)
 
     # -- 2) data files
     def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,
                    storages: Sequence[ShardData] = ()) -> WrittenFile:
         """Write one data file holding ``shards`` (and storage buffers) for ``rank``."""
-        name = rank_file_name(rank, part)
+        name = rank_file_name(rank, part, self.name_tag)
         if name in self._files:
             raise CommitError(f"{name}: written twice in one save")
         # Larger elements first, then by name: every tensor then starts at a multiple of its
@@ -540,7 +541,7 @@ class CheckpointWriter:
         """Open rank ``rank``'s data file for streaming: its slices (``shards`` and storage
         buffers, described without data) are laid out in file order (``stream.specs``); the
         caller writes their bytes in that order and closes the stream, which records the file."""
-        name = rank_file_name(rank, part)
+        name = rank_file_name(rank, part, self.name_tag)
         if name in self._files or name in self._streaming:
             raise CommitError(f"{name}: written twice in one save")
         ordered = file_order(list(shards) + list(storages))
@@ -680,8 +681,10 @@ class CheckpointWriter:
             return
         self._done = True
         self._lease.stop()
-        if self.staging != self.path or not _commit.is_committed(self.storage, self.path):
+        if self.staging != self.path:
             _commit.abort(self.storage, self.staging)
+        elif not _commit.is_committed(self.storage, self.path):
+            _commit.abort_own(self.storage, self.path, self.save_id)
 
     def __enter__(self) -> CheckpointWriter:
         return self

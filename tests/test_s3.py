@@ -119,8 +119,10 @@ def test_two_rank_save_to_s3_then_resharded_loads_read_what_they_need(server, bu
     url = f"{bucket}/dist/step_5"
     check_all_ok(launch("s3_save2", 2, {"path": url}, out_dir=str(tmp_path / "o"), timeout=240))
     m = shardfmt.read_manifest(url)
-    assert m.topology.world_size == 2 and sorted(m.files) == ["data/rank_00000.safetensors",
-                                                              "data/rank_00001.safetensors"]
+    # on an object store the save's id is in every data file's name: two saves of one prefix
+    # (one outliving its lease) never write the same object
+    assert m.topology.world_size == 2 and sorted(m.files) == [f"data/rank_00000.{m.save_id}.safetensors",
+                                                              f"data/rank_00001.{m.save_id}.safetensors"]
     full = torch.arange(4096 * 512, dtype=torch.float32).reshape(4096, 512)
     chunk = m.chunk_size
     for rank in range(4):  # each rank of a 4-rank job loads its quarter of the rows
@@ -355,6 +357,32 @@ def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(s
     assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
 
 
+def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_took_over(server, bucket):
+    """The stale save fails when it resumes, and removes only its own objects: the newer save,
+    still writing (not yet committed), keeps every object and then commits a valid checkpoint."""
+    url, other = f"{bucket}/race2/step_1", f"{bucket}/race2_b/step_1"
+    fs = _fs(server)
+    newer = _state(seed=1, rows=64)
+    shardfmt.save(newer, other, step=1)
+
+    def takeover(step):
+        if step == "files_written":  # the newer save cleared this stale save's objects and wrote its own
+            fs.rm(fs.find(url[5:]))
+            for key in fs.find(other[5:]):
+                if not key.endswith("/COMMITTED"):
+                    fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
+
+    with pytest.raises((shardfmt.CheckpointExistsError, CommitError)):
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+    theirs = sorted(k[len(other[5:]):] for k in fs.find(other[5:]) if not k.endswith("/COMMITTED"))
+    assert sorted(k[len(url[5:]):] for k in fs.find(url[5:])) == theirs  # none of the newer save's removed
+    fs.pipe_file(url[5:] + "/COMMITTED", fs.cat_file(other[5:] + "/COMMITTED"))  # the newer save commits
+    assert shardfmt.validate(url, deep=True).ok
+    back = _empty_like(newer)
+    shardfmt.load(back, url)
+    assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
+
+
 @pytest.fixture(scope="module")
 def auth_server():
     srv = s3_server.start(auth=True)
@@ -383,7 +411,7 @@ def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket)
         ck.wait()
         assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "committed")]
     fs = _fs(server)
-    data = f"{root[5:]}/step_000000003/data/rank_00000.safetensors"
+    data = f"{root[5:]}/step_000000003/" + next(iter(shardfmt.read_manifest(f"{root}/step_000000003").files))
     raw = bytearray(fs.cat_file(data))
     raw[-1] ^= 0xFF  # a flipped byte in the newest checkpoint
     fs.pipe_file(data, bytes(raw))
@@ -506,7 +534,7 @@ def test_a_data_object_of_another_size_is_refused_even_unverified(server, bucket
     state = {"a": torch.arange(1024.0), "z": torch.ones(1 << 20)}
     shardfmt.save(state, url, step=1)
     fs = _fs(server)
-    key = f"{url[5:]}/data/rank_00000.safetensors"
+    key = f"{url[5:]}/" + next(iter(shardfmt.read_manifest(url).files))
     raw = fs.cat_file(key)
     fs.pipe_file(key, raw + b"\0" * 4096 if change == "appended" else raw[:-100])
     for verify in (True, False):
