@@ -591,7 +591,14 @@ class Checkpointer:
                 if name in self._fresh_optims and (name not in saved or name in meta.get("unstepped", [])):
                     obj.state.clear()  # never stepped (or not saved): exactly the fresh optimizer again
             else:
-                obj.load_state_dict(sd[name])
+                try:
+                    obj.load_state_dict(sd[name])
+                except Exception as e:  # noqa: BLE001 - the user object's own error, named and typed
+                    done = list(state)[: list(state).index(name)]
+                    raise StateDictError(
+                        f"restoring step {manifest.step}: "
+                        f"{name!r}.load_state_dict failed: {type(e).__name__}: {e} (already restored: "
+                        f"{', '.join(done) or 'nothing'}; the state is partly restored)") from e
         rng_state = sd[RNG_KEY].value
         if rng_state is not None:
             rng.restore(rng_state)

@@ -557,3 +557,14 @@ def test_a_dead_copys_leftover_in_the_archive_does_not_block_archiving_that_step
     ck = Checkpointer(root, archive=arch, archive_every=10, archive_attempts=1)
     ck._archive_one(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
     assert ck.archive_errors == [] and os.listdir(arch) == ["step_000000010"]
+
+
+def test_an_entry_whose_load_state_dict_fails_is_a_typed_error_naming_it(tmp_path):
+    """E.g. a GradScaler saved disabled and restored enabled: torch raises a bare RuntimeError."""
+    root = str(tmp_path / "run")
+    Checkpointer(root).save(1, {"model": torch.nn.Linear(2, 2), "scaler": torch.amp.GradScaler("cpu", enabled=False)})
+    with pytest.raises(shardfmt.StateDictError, match=r"'scaler'.load_state_dict failed: RuntimeError.*"
+                                                      r"already restored: model"):
+        Checkpointer(root).restore({"model": torch.nn.Linear(2, 2),
+                                    "scaler": torch.amp.GradScaler("cpu", enabled=True)})
+    assert os.listdir(root) == ["step_000000001"]  # the caller's mismatch: nothing quarantined
