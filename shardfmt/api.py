@@ -289,12 +289,13 @@ def load(
                 continue
             check_settable(leaf)  # before any read: a load fails whole or not at all
             if isinstance(v, PerRank) or rec.per_rank is not None:
-                got = _value_for_rank(leaf.fqn, rec, rank, world_size, m.topology.world_size, per_rank)
+                got = _value_for_rank(leaf.fqn, rec, rank, world_size, m.topology.world_size, per_rank,
+                                      source=ckpt.path)
                 if got is _SKIP:
                     continue
                 pending_values.append((leaf, PerRank(got) if isinstance(v, PerRank) else got))
             else:
-                pending_values.append((leaf, jsonvalue.decode(rec.value, where=leaf.fqn)))
+                pending_values.append((leaf, jsonvalue.decode_stored(rec.value, where=leaf.fqn, source=ckpt.path)))
             loaded.append(leaf.fqn)
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
@@ -413,7 +414,8 @@ def _bounce_read_size(targets: list[TargetSlice], dsts: list[torch.Tensor], chun
     return max(chunk, size // chunk * chunk)
 
 
-def _value_for_rank(fqn: str, rec, rank: int, world_size: int, saved_world: int, policy: str) -> Any:
+def _value_for_rank(fqn: str, rec, rank: int, world_size: int, saved_world: int, policy: str, *,
+                    source: str) -> Any:
     if rec.per_rank is None:
         raise StateDictError(f"{fqn}: the checkpoint holds one replicated value, the caller expects PerRank")
     if world_size != saved_world and policy == "skip":
@@ -422,4 +424,4 @@ def _value_for_rank(fqn: str, rec, rank: int, world_size: int, saved_world: int,
         raise StateDictError(f"{fqn}: per-rank value was saved by {saved_world} rank(s) "
                              f"(ranks {sorted(rec.per_rank)[:8]}), this job has {world_size} "
                              f"and this is rank {rank}; pass per_rank='skip' to keep the current values")
-    return jsonvalue.decode(rec.per_rank[rank], where=fqn)
+    return jsonvalue.decode_stored(rec.per_rank[rank], where=fqn, source=source)

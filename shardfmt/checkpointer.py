@@ -324,8 +324,9 @@ class Checkpointer:
             warnings.warn(f"archiving step {step} to {where} failed (attempt {i} of {self.archive_attempts}, "
                           f"retrying): {e}", stacklevel=2)
 
-        try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again
-            collect_garbage(self.archive_storage, self.archive_root)
+        try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again;
+            if self.archive_storage.atomic_rename:  # object stores: prepare() clears dst's dead leftover
+                collect_garbage(self.archive_storage, self.archive_root)
         except _FAILURES as e:
             warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",
                           stacklevel=2)
@@ -393,11 +394,24 @@ class Checkpointer:
         # count); older ones by their markers alone, so a pass costs the same with 10 or 10,000
         # checkpoints kept (keep_every).
         committed: dict[int, str] = {}
+        checked: set[int] = set()
         for step, path in reversed(step_paths(self.storage, self.root)):
             full = len(committed) < self.keep_last
             if checkpoint_status(self.storage, path, markers_only=not full)[0] == "committed":
                 committed[step] = path
-        for step in to_delete(list(committed), keep_last=self.keep_last, keep_every=self.keep_every):
+                if full:
+                    checked.add(step)
+        while True:  # the copy that stays for a bucket being pruned must be readable: checked in full (once)
+            doomed = to_delete(list(committed), keep_last=self.keep_last, keep_every=self.keep_every)
+            pruned = {s // self.keep_every for s in doomed} if self.keep_every else set()
+            stays = [s for s in committed if s not in doomed and s not in checked and s // self.keep_every in pruned]
+            torn = [s for s in stays if checkpoint_status(self.storage, committed[s])[0] != "committed"]
+            checked.update(stays)
+            if not torn:
+                break
+            for s in torn:  # neither kept as the bucket's copy nor removed here (like any torn one)
+                del committed[s]
+        for step in doomed:
             with self._archive_lock:
                 if committed[step] in self._archiving:
                     continue  # being copied to the archive: removed by a later retention pass
@@ -536,7 +550,7 @@ class Checkpointer:
     def _check_compat(self, path, manifest, signature, optimizers, allow_mismatch) -> None:
         from . import jsonvalue
 
-        meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
+        meta = jsonvalue.decode_stored(manifest.metadata, where="metadata", source=path) or {}
         if allow_mismatch or not isinstance(meta, dict):
             return
         want = meta.get("config_hash")

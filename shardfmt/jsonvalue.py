@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EncodingError
+from .errors import EncodingError, ManifestError
 
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
@@ -103,6 +103,15 @@ def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
         f"{where}: cannot store a value of type {type(value).__module__}.{type(value).__qualname__} "
         "(shardfmt stores tensors and typed JSON only, never pickle)"
     )
+
+
+def decode_stored(obj: Any, *, where: str, source: str) -> Any:
+    """``decode`` a value read from checkpoint ``source``: one that does not decode is a fault of
+    the checkpoint (``ManifestError``), never of the caller's state."""
+    try:
+        return decode(obj, where=where)
+    except EncodingError as e:
+        raise ManifestError(f"{source}: {e}") from None
 
 
 def decode(data: Any, *, where: str = "value") -> Any:

@@ -568,3 +568,60 @@ def test_an_entry_whose_load_state_dict_fails_is_a_typed_error_naming_it(tmp_pat
         Checkpointer(root).restore({"model": torch.nn.Linear(2, 2),
                                     "scaler": torch.amp.GradScaler("cpu", enabled=True)})
     assert os.listdir(root) == ["step_000000001"]  # the caller's mismatch: nothing quarantined
+
+
+def test_a_torn_old_checkpoint_is_never_kept_as_its_buckets_long_term_copy(tmp_path):
+    """Older steps are judged by their markers; the one that stays as a keep_every bucket's copy
+    is checked in full before the rest of the bucket goes, so a torn one never replaces it."""
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, keep_last=2, keep_every=100)
+    m = torch.nn.Linear(4, 4)
+    ck.save(100, {"model": m})
+    data = os.path.join(root, "step_000000100", "data")
+    f = os.path.join(data, os.listdir(data)[0])
+    os.truncate(f, os.path.getsize(f) - 8)
+    for s in (150, 200, 250):
+        ck.save(s, {"model": m})
+    assert [(i.step, i.status) for i in ck.list()] == [(100, "corrupt"), (150, "committed"), (200, "committed"),
+                                                        (250, "committed")]
+
+
+def test_a_stored_value_that_does_not_decode_is_the_checkpoints_fault(tmp_path):
+    """A value in a (re-signed) manifest that does not decode is a bad checkpoint, not the caller's
+    mistake: restore falls back to the previous one instead of raising StateDictError."""
+    import orjson
+
+    from shardfmt import hashing
+    from shardfmt.manifest import CommitRecord
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def state_dict(self):
+            return {"n": self.n}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root)
+    st = {"model": torch.nn.Linear(2, 2), "counter": Counter()}
+    ck.save(1, st)
+    st["counter"].n = 2
+    ck.save(2, st)
+    path = os.path.join(root, "step_000000002")
+    mp = os.path.join(path, "manifest.json")
+    with open(mp, "rb") as fh:
+        obj = orjson.loads(fh.read())
+    obj["values"]["counter"] = {"value": {"n": {"$int": "02"}}}  # parses; does not decode (leading zero)
+    raw = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) + b"\n"
+    save_id = obj["save_id"]
+    for name, data in (("manifest.json", raw),
+                       ("COMMITTED", CommitRecord(save_id=save_id, manifest_digest=hashing.digest_bytes(raw)).to_json())):
+        os.remove(os.path.join(path, name))
+        with open(os.path.join(path, name), "wb") as fh:
+            fh.write(data)
+    back = {"model": torch.nn.Linear(2, 2), "counter": Counter()}
+    with pytest.warns(UserWarning, match="step_000000002 is unusable"):
+        assert Checkpointer(root).restore(back) == 1
