@@ -48,7 +48,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         raise CheckpointExistsError(f"{dst_storage.url(dst_path)}: holds another checkpoint "
                                     f"(save {there.manifest.save_id}, not {m.save_id})")
     staging = _commit.prepare(dst_storage, dst_path, m.save_id, overwrite=False)
-    lease = _Lease(dst_storage, staging, dst_storage.lease_seconds)
+    lease = _Lease(dst_storage, staging, dst_storage.lease_seconds, m.save_id)
     try:
         dst_storage.makedirs(dst_storage.join(staging, DATA_DIR))
         buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))

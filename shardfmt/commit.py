@@ -122,7 +122,7 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
         raise CommitError(f"{target}: staging location already exists (save id reused?)")
     storage.makedirs(storage.join(target, DATA_DIR))
     if not storage.atomic_rename:
-        storage.take_lease(target)  # only if absent: of two saves starting together, one goes on
+        storage.take_lease(target, save_id)  # only if absent: of two saves starting together, one goes on
     return target
 
 
@@ -292,7 +292,10 @@ def abort_own(storage: Storage, path: str, save_id: str) -> None:
         for n in mine:
             storage.remove_tree(storage.join(path, n))
         if set(names) - set(mine) <= {LEASE_NAME}:
-            storage.remove_tree(path)
+            from .objstore import lease_owner
+
+            if lease_owner(storage, path) in (save_id, None):  # never the LEASE of a save that took over
+                storage.remove_tree(path)
     except (OSError, ShardfmtError):
         pass  # best effort: a leftover is collected once its lease expires
 

@@ -448,20 +448,26 @@ class FsspecStorage:
     def exchange(self, a: str, b: str) -> None:
         raise StorageError(f"{self.url(a)}: this storage has no atomic exchange")
 
-    def take_lease(self, path: str) -> None:
-        """Take the lease on ``path`` for a save: create its LEASE object only if absent."""
+    def take_lease(self, path: str, owner: str = "") -> None:
+        """Take the lease on ``path`` for save ``owner``: create its LEASE object only if absent."""
         try:
-            self.write_bytes(self.join(path, LEASE_NAME), orjson.dumps(dict(lease_identity(), time=time.time())),
-                             exclusive=True)
+            self.write_bytes(self.join(path, LEASE_NAME),
+                             orjson.dumps(dict(lease_identity(), time=time.time(), save_id=owner)), exclusive=True)
         except CheckpointExistsError:
             raise CheckpointExistsError(f"{self.url(path)}: another save started here at the same time") from None
 
-    def touch(self, path: str) -> None:
-        """Refresh the lease of the save writing under ``path`` (its LEASE object)."""
+    def touch(self, path: str, owner: str = "") -> bool:
+        """Refresh the lease of save ``owner`` under ``path`` (its LEASE object); False, writing
+        nothing, when the lease is gone or another save's: this save outlived its lease and the
+        prefix was collected or taken over."""
         try:
-            self.write_bytes(self.join(path, LEASE_NAME), orjson.dumps(dict(lease_identity(), time=time.time())))
+            if owner and lease_owner(self, path) != owner:
+                return False
+            self.write_bytes(self.join(path, LEASE_NAME),
+                             orjson.dumps(dict(lease_identity(), time=time.time(), save_id=owner)))
         except StorageError:
             pass  # a missed heartbeat shortens the lease; the save itself reports real failures
+        return True
 
     def list_tree(self, path: str) -> list[str]:
         """Every object under ``path``, as paths relative to it."""
@@ -528,6 +534,18 @@ class FsspecStorage:
         bucket, key, _ = self.fs.split_path(path)
         self._call(path, "abort multipart upload", self.fs.call_s3, "abort_multipart_upload",
                    Bucket=bucket, Key=key, UploadId=upload_id)
+
+
+def lease_owner(storage, path: str) -> str | None:
+    """The save id in the LEASE under ``path`` ("" for a lease that names none), or None when
+    there is no lease."""
+    try:
+        info = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+    except CheckpointNotFoundError:
+        return None
+    except (ValueError, IntegrityError):
+        return ""
+    return str(info.get("save_id") or "") if isinstance(info, dict) else ""
 
 
 def lease_identity() -> dict:

@@ -114,10 +114,10 @@ class Storage(Protocol):
     def rename(self, src: str, dst: str) -> None: ...
     def exchange(self, a: str, b: str) -> None: ...
     def sync_dir(self, path: str) -> None: ...
-    def touch(self, path: str) -> None: ...
+    def touch(self, path: str, owner: str = "") -> bool: ...
     def mtime(self, path: str) -> float: ...
     def drop_lease(self, path: str) -> None: ...
-    def take_lease(self, path: str) -> None: ...
+    def take_lease(self, path: str, owner: str = "") -> None: ...
     def list_tree(self, path: str) -> list[str]: ...
 
 
@@ -350,12 +350,13 @@ class LocalStorage:
         except OSError as e:
             raise _storage_error(a, e, f"atomic exchange with {b}") from None
 
-    def touch(self, path: str) -> None:
-        """Refresh ``path``'s mtime (a save's lease on its staging dir)."""
+    def touch(self, path: str, owner: str = "") -> bool:
+        """Refresh ``path``'s mtime (a save's lease on its staging dir, which is its own)."""
         try:
             os.utime(path)
         except OSError:
             pass
+        return True
 
     def mtime(self, path: str) -> float:
         try:
@@ -366,7 +367,7 @@ class LocalStorage:
     def drop_lease(self, path: str) -> None:
         pass  # the lease is the directory's mtime
 
-    def take_lease(self, path: str) -> None:
+    def take_lease(self, path: str, owner: str = "") -> None:
         pass  # a staging dir is the save's own (its name holds the save id)
 
     def list_tree(self, path: str) -> list[str]:

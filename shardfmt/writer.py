@@ -425,17 +425,20 @@ class _Lease:
     checkpoint's prefix (``storage.touch``); ``stop`` joins the heartbeat and removes it.
     """
 
-    def __init__(self, storage: Storage, path: str, lease_seconds: float) -> None:
+    def __init__(self, storage: Storage, path: str, lease_seconds: float, owner: str = "") -> None:
         self._storage = storage
         self._path = path
         self._stop = threading.Event()
+        self.lost = False  # the lease was gone or another save's at a heartbeat: never commit then
         # at least every 30 s whatever this save's lease: a collector of another job on the same
         # root judges it by its own lease (the defaults are 120 s and more), not by this one's
         self.interval = interval = max(0.5, min(lease_seconds, 120.0) / 4)
 
         def beat() -> None:
             while not self._stop.wait(interval):
-                storage.touch(path)
+                if storage.touch(path, owner) is False:
+                    self.lost = True
+                    return
 
         self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
         self._thread.start()
@@ -511,7 +514,7 @@ class CheckpointWriter:
         self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
                                        lease_seconds=lease_seconds)
         self.name_tag = None if storage.atomic_rename else self.save_id  # data file names (rank_file_name)
-        self._lease = _Lease(storage, self.staging, lease_seconds)
+        self._lease = _Lease(storage, self.staging, lease_seconds, self.save_id)
 
     # -- 2) data files
     def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,
@@ -657,6 +660,10 @@ class CheckpointWriter:
             self.abort()
             raise CommitError(f"{self.path}: data file(s) {sorted(self._streaming)[:3]} were opened for "
                               "streaming and never closed")
+        if self._lease.lost:
+            self.abort()
+            raise CommitError(f"{self.storage.url(self.path)}: this save's lease was collected or taken over by "
+                              "another save while it ran (it stalled past its lease); nothing was committed")
         try:
             manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
             _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,

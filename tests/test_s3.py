@@ -383,6 +383,35 @@ def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_
     assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
 
 
+def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_took_over(server, bucket):
+    """Its heartbeat finds another save's LEASE: it stops refreshing (so it never keeps the prefix
+    looking alive for itself), refuses to commit, and its abort leaves the newer save's LEASE, so
+    a third save cannot start beside the live one."""
+    import time
+
+    from shardfmt.objstore import lease_owner
+    from shardfmt.storage import get_storage
+    from shardfmt.writer import CheckpointWriter, ShardData
+
+    st, path = get_storage(f"{bucket}/stale/step_000000001", {"lease_seconds": 2})
+    a = CheckpointWriter(path, storage=st)  # stalls past its 2 s lease from here on
+    a.write_rank(0, [ShardData(fqn="w", data=torch.ones(8), global_shape=(8,), offsets=(0,))])
+    st.remove_tree(path)  # the newer save's collector cleared the expired prefix ...
+    b = CheckpointWriter(path, storage=st)  # ... and the newer save took it
+    time.sleep(1.5)  # a's heartbeats (every 0.5 s) find b's lease
+    assert lease_owner(st, path) == b.save_id
+    with pytest.raises(CommitError, match="lease was collected or taken over"):
+        a.commit(step=1)
+    assert lease_owner(st, path) == b.save_id
+    with pytest.raises(CheckpointExistsError, match="in progress"):
+        CheckpointWriter(path, storage=st)
+    b.write_rank(0, [ShardData(fqn="w", data=torch.full((8,), 2.0), global_shape=(8,), offsets=(0,))])
+    b.commit(step=1)
+    got = {"w": torch.zeros(8)}
+    shardfmt.load(got, f"{bucket}/stale/step_000000001")
+    assert torch.all(got["w"] == 2.0)
+
+
 @pytest.fixture(scope="module")
 def auth_server():
     srv = s3_server.start(auth=True)
