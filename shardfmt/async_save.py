@@ -46,6 +46,7 @@ import torch
 from . import hashing, jsonvalue
 from .errors import CommitError, ShardfmtError, StateDictError
 from .manifest import Manifest, check_step
+from .tensor_bytes import resolved
 
 log = logging.getLogger("shardfmt")
 
@@ -137,7 +138,7 @@ class Stager:
         current stream of the thread calling ``run()``.
         """
         with self._lock:
-            tensors = [_plain(t) for t in tensors]
+            tensors = [resolved(t) for t in tensors]
             cuda = [t for t in tensors if t.device.type == "cuda"]
             pin = bool(cuda) if self._pin is None else self._pin
             if [_sig(t, pin) for t in tensors] != self._layout:
@@ -294,12 +295,6 @@ def _caller_events(tensors: list[torch.Tensor]) -> dict:
     return {d.index: torch.cuda.current_stream(d).record_event() for d in devices}
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.detach()
 
 
 class AsyncSave:
@@ -487,7 +482,7 @@ def async_save(
 
     # CUDA: the snapshot sees every write queued on the caller's stream before this call, even
     # when a background thread (whose current stream is the default one) does the copy.
-    sources = [_plain(t) for t in prepared.tensors()]  # conj/neg resolved on the caller's stream, before:
+    sources = prepared.tensors()  # conj/neg already resolved by describe, on the caller's stream; then:
     asked = _caller_events(sources)
     snap: Prepared | None = None
     begun = threading.Event()  # the buffers are known: the writer may start on staged pieces

@@ -133,7 +133,6 @@ class Checkpointer:
         self.timeout = timeout
         self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
-        self._fresh_optims: set[str] = set()
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []  # background saves not yet waited for (failed ones until wait() raises)
         self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
@@ -185,8 +184,8 @@ class Checkpointer:
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
 
     # ------------------------------------------------------------------ state <-> dicts
-    def _state_dicts(self, state: Mapping[str, Any], *, saving: bool = False) -> tuple[dict, dict]:
-        """Return (saveable dict, signature) for ``state``'s entries."""
+    def _state_dicts(self, state: Mapping[str, Any], *, saving: bool = False) -> tuple[dict, dict, set[str]]:
+        """Return (saveable dict, signature, names of optimizers that never stepped) for ``state``'s entries."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -194,6 +193,7 @@ class Checkpointer:
 
         models = {k: v for k, v in state.items() if _is_module(v)}
         out: dict[str, Any] = {}
+        fresh_optims: set[str] = set()
         for name, obj in state.items():
             if name.startswith("_shardfmt"):
                 raise StateDictError(f"state entry {name!r}: names starting with _shardfmt are reserved")
@@ -207,13 +207,14 @@ class Checkpointer:
                     if saving:
                         out[name] = _unstepped(out[name])
                     obj.state.clear()  # made with lr=0 only to have tensors to save / load into
-                    self._fresh_optims.add(name)
+                    fresh_optims.add(name)
             elif hasattr(obj, "state_dict"):
                 out[name] = obj.state_dict()
             else:
                 raise StateDictError(f"state entry {name!r} ({type(obj).__name__}) has no state_dict()")
-        return out, {name: {k: [str(v.dtype), list(v.shape)] for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        signature = {name: {k: [str(v.dtype), list(v.shape)] for k, v in sd.items() if isinstance(v, torch.Tensor)}
                      for name, sd in out.items() if _is_module(state[name])}
+        return out, signature, fresh_optims
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], *, metadata: Any = None, async_: bool = False,
@@ -233,8 +234,7 @@ class Checkpointer:
                 self._warned.add(h)
                 warnings.warn(f"the background save to {h.path} failed (wait() raises it): {h.exception()}",
                               stacklevel=2)
-        self._fresh_optims = set()
-        sd, signature = self._state_dicts(state, saving=True)
+        sd, signature, fresh_optims = self._state_dicts(state, saving=True)
         samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
         if samplers and self._dist():
             seen = self._all_gather([int(s.consumed) for s in samplers])
@@ -242,7 +242,7 @@ class Checkpointer:
                 raise StateDictError(f"sampler cursors differ across ranks at save: {seen[:8]} "
                                      "(advance(n) must be called with the same n on every rank)")
         sd[RNG_KEY] = PerRank(rng.capture())
-        meta = {"user": metadata, "unstepped": sorted(self._fresh_optims),
+        meta = {"user": metadata, "unstepped": sorted(fresh_optims),
                 "config": self.config, "config_hash": _config_hash(self.config),
                 "signature": signature, "optimizers": _optimizer_signature(state, sd),
                 "entries": sorted(state), "world_size": self._world()}
@@ -462,8 +462,7 @@ class Checkpointer:
         for step, tier, path in choice["candidates"]:
             storage, opts = ((self.storage, self.storage_options) if tier == "root"
                              else (self.archive_storage, self.archive_storage_options))
-            self._fresh_optims = set()
-            sd, signature = self._state_dicts(state)
+            sd, signature, fresh_optims = self._state_dicts(state)
             sd[RNG_KEY] = PerRank(None)
             err = None
             try:
@@ -505,7 +504,7 @@ class Checkpointer:
             if tier == "archive":
                 warnings.warn(f"{self.storage.url(self.root)}: no valid checkpoint; restored step {step} from the "
                               f"archive {storage.url(path)}", stacklevel=2)
-            self._apply(state, sd, report, manifest, dirty=dirty)
+            self._apply(state, sd, report, manifest, fresh_optims=fresh_optims, dirty=dirty)
             return step
         if choice["any"] and any(self._all_gather(dirty)):
             raise CheckpointNotFoundError(
@@ -586,7 +585,7 @@ class Checkpointer:
                     f"{len(old['groups'])} group(s) saved, {len(now['groups'])} now; first saved groups: "
                     f"{[g[:3] for g in old['groups'][:3]]} (pass allow_mismatch=True)")
 
-    def _apply(self, state, sd, report, manifest, *, dirty: bool = False) -> None:
+    def _apply(self, state, sd, report, manifest, *, fresh_optims: set[str], dirty: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
@@ -594,15 +593,16 @@ class Checkpointer:
 
         from . import jsonvalue
 
+        meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
+        meta = meta if isinstance(meta, dict) else {}
+        saved_entries = set(meta.get("entries", []))
         models = {k: v for k, v in state.items() if _is_module(v)}
         for name, obj in state.items():
             if _is_module(obj):
                 set_model_state_dict(obj, sd[name])
             elif _is_optimizer(obj):
                 set_optimizer_state_dict(_owner(obj, models, name), obj, sd[name])
-                meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
-                saved = meta.get("entries", []) if isinstance(meta, dict) else []
-                if name in self._fresh_optims and (name not in saved or name in meta.get("unstepped", [])):
+                if name in fresh_optims and (name not in saved_entries or name in meta.get("unstepped", [])):
                     obj.state.clear()  # never stepped (or not saved): exactly the fresh optimizer again
             else:
                 try:
@@ -619,8 +619,6 @@ class Checkpointer:
         elif manifest.topology.world_size != self._world():
             warnings.warn(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
                           f"{self._world()}: RNG streams start fresh", stacklevel=3)
-        meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
-        saved_entries = set(meta.get("entries", [])) if isinstance(meta, dict) else set()
         not_restored = sorted(saved_entries - set(state))
         if not_restored:
             warnings.warn(f"saved but not restored: {', '.join(not_restored)}", stacklevel=3)

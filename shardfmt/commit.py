@@ -129,14 +129,17 @@ def prepare(storage: Storage, path: str, save_id: str, *, overwrite: bool,
 _SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME)
 
 
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint) is a data file a save writes: ``data/<x>.safetensors``."""
+    return name.startswith(DATA_DIR + "/") and name.endswith(".safetensors") and "/" not in name[len(DATA_DIR) + 1:]
+
+
 def is_save_leftover(storage: Storage, path: str, names: list[str] | None = None) -> bool:
     """Whether the uncommitted prefix ``path`` (holding ``names``, listed if not given) holds
     only what a shardfmt save writes, LEASE included (taken before its first data byte):
     anything else is not ours to remove."""
     names = storage.list_tree(path) if names is None else names
-    return LEASE_NAME in names and all(
-        n in _SAVE_NAMES or (n.startswith(DATA_DIR + "/") and n.endswith(".safetensors")
-                             and "/" not in n[len(DATA_DIR) + 1:]) for n in names)
+    return LEASE_NAME in names and all(n in _SAVE_NAMES or is_data_file(n) for n in names)
 
 
 def _clear_leftover(storage: Storage, path: str, *, overwrite: bool, lease: float, now: float) -> None:
@@ -164,12 +167,12 @@ def _holder_is_dead(storage: Storage, path: str) -> bool:
     its dead predecessor's lease."""
     import os
 
-    from .objstore import lease_identity
+    from .objstore import lease_identity, read_lease
 
     try:
-        holder = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+        holder = read_lease(storage, path)
         me = lease_identity()
-        if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int) \
+        if not isinstance(holder.get("pid"), int) \
                 or any(holder.get(k) != me[k] for k in ("host", "pidns")):
             return False
         os.kill(holder["pid"], 0)
@@ -281,7 +284,7 @@ def abort_own(storage: Storage, path: str, save_id: str) -> None:
     try:
         names = storage.list_tree(path)
         tag = f".{save_id}.safetensors"
-        mine = [n for n in names if n.startswith(DATA_DIR + "/") and n.endswith(tag)]
+        mine = [n for n in names if is_data_file(n) and n.endswith(tag)]
         if MANIFEST_NAME in names:
             try:
                 raw = storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)

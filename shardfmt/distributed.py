@@ -41,8 +41,17 @@ from .errors import (
     ShardfmtError,
     StateDictError,
 )
-from .manifest import FileRecord, Placement, ShardRecord, Topology, ViewRecord, check_step
+from .manifest import (
+    FileRecord,
+    Placement,
+    ShardRecord,
+    Topology,
+    ViewRecord,
+    check_step,
+    rank_file_name,
+)
 from .state import PerRank, ShardedTensor, _is_dtensor, flatten
+from .tensor_bytes import resolved
 from .writer import (
     DEFAULT_PART_SIZE,
     CheckpointWriter,
@@ -202,9 +211,7 @@ def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[
                                    [(Box(v.offsets, tuple(v.local.shape)), v.local.detach())])
         elif isinstance(v, torch.Tensor):
             _check_saveable(leaf.fqn, v)
-            if v.is_conj() or v.is_neg():  # lazily conjugated/negated: not its storage's bytes, share nothing
-                v = v.resolve_conj().resolve_neg()
-            plain[leaf.fqn] = v.detach()
+            plain[leaf.fqn] = resolved(v)  # a lazy conj/neg is not its storage's bytes: shares nothing
         elif isinstance(v, PerRank):
             per_rank[leaf.fqn] = jsonvalue.encode(v.value, where=leaf.fqn)
         else:
@@ -445,7 +452,8 @@ def run_save(
                                       clock=_clock, writer_versions=_writer_versions, chunk_size=chunk_size,
                                       sync=sync, on_step=_on_step, write_workers=write_workers,
                                       part_size=part_size)
-            status = {"ok": True, "rank": 0, "save_id": writer.save_id, "staging": writer.staging}
+            status = {"ok": True, "rank": 0, "save_id": writer.save_id, "staging": writer.staging,
+                      "name_tag": writer.name_tag}  # every rank names its file as rank 0's writer does
         except ShardfmtError as e:
             if group is None:  # a world of one: the error itself, not a report of it
                 raise
@@ -466,8 +474,7 @@ def run_save(
                 for h in prepared.held.values() for box, data in h.pieces
                 if writers[(h.fqn, box.offsets, box.lengths)] == rank]
         if mine and rank != 0:
-            written = write_shard_file(storage, status["staging"],
-                                       _file_name(rank, None if storage.atomic_rename else status["save_id"]), rank,
+            written = write_shard_file(storage, status["staging"], rank_file_name(rank, None, status["name_tag"]), rank,
                                        _ordered(mine), chunk_size=chunk_size, sync=sync,
                                        workers=write_workers or default_write_workers(), part_size=part_size)
             result = {"ok": True, "rank": rank, "file": _written_json(written)}
@@ -554,12 +561,6 @@ def _check_replicas(descs: list[dict]) -> None:
                 raise StateDictError(f"{fqn}: replicated value differs between rank {ref[key][0]} and "
                                      f"rank {d['rank']} (check_replicas=True; wrap per-rank values in PerRank)")
             ref.setdefault(key, (d["rank"], enc))
-
-
-def _file_name(rank: int, save_id: str | None) -> str:
-    from .manifest import rank_file_name
-
-    return rank_file_name(rank, None, save_id)
 
 
 def _ordered(shards: list[ShardData]) -> list[ShardData]:

@@ -536,16 +536,23 @@ class FsspecStorage:
                    Bucket=bucket, Key=key, UploadId=upload_id)
 
 
+def read_lease(storage, path: str) -> dict:
+    """The LEASE object under ``path`` as a dict ({} when unreadable); CheckpointNotFoundError
+    when there is none."""
+    try:
+        info = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+    except (ValueError, IntegrityError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def lease_owner(storage, path: str) -> str | None:
     """The save id in the LEASE under ``path`` ("" for a lease that names none), or None when
     there is no lease."""
     try:
-        info = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+        return str(read_lease(storage, path).get("save_id") or "")
     except CheckpointNotFoundError:
         return None
-    except (ValueError, IntegrityError):
-        return ""
-    return str(info.get("save_id") or "") if isinstance(info, dict) else ""
 
 
 def lease_identity() -> dict:

@@ -13,9 +13,9 @@ import re
 import time
 from dataclasses import dataclass
 
-from .commit import is_save_leftover
+from .commit import is_data_file, is_save_leftover
 from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, DATA_DIR, MANIFEST_NAME, QUARANTINED_NAME
+from .manifest import COMMITTED_NAME, MANIFEST_NAME, QUARANTINED_NAME
 from .retention import lease_expired, parse_step_dir
 from .storage import Storage
 
@@ -125,9 +125,7 @@ def _is_staging_dir(storage: Storage, name: str, path: str) -> bool:
     """Whether ``path`` is a local save's staging dir: its name, and nothing in it but what a save writes."""
     if not _STAGING_RE.fullmatch(name) or not storage.isdir(path):
         return False
-    return all(n in (MANIFEST_NAME, COMMITTED_NAME)
-               or (n.startswith(DATA_DIR + "/") and n.endswith(".safetensors") and "/" not in n[len(DATA_DIR) + 1:])
-               for n in storage.list_tree(path))
+    return all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in storage.list_tree(path))
 
 
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,

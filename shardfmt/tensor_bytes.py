@@ -16,6 +16,16 @@ import torch
 DEFAULT_PIECE_BYTES = 8 << 20
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, with a lazy conjugation or negation applied: its memory then holds the
+    values it shows (``x.conj()`` and ``-x`` share ``x``'s storage, flagged, not rewritten)."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.detach()
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """Return a writable memoryview over a contiguous CPU tensor's bytes."""
     if t.numel() == 0:
