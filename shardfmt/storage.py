@@ -23,6 +23,7 @@ from typing import Protocol
 
 import orjson
 
+from .aligned import DIRECT_ALIGN
 from .errors import CheckpointNotFoundError, IntegrityError, StorageError
 
 
@@ -160,14 +161,21 @@ def _sync_file_range(fd: int, offset: int, nbytes: int) -> None:
     fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, don't wait
 
 
+def direct_io_enabled() -> bool:
+    """Whether large durable writes may bypass the page cache (``SHARDFMT_DIRECT_IO=0`` turns it off)."""
+    return hasattr(os, "O_DIRECT") and os.environ.get("SHARDFMT_DIRECT_IO", "1") != "0"
+
+
 class _LocalWriter:
-    __slots__ = ("_fd", "_path", "_stats", "_written", "_flushed")
+    __slots__ = ("_fd", "_dfd", "_direct", "_path", "_stats", "_written", "_flushed")
 
     def __init__(self, path: str, stats: IOStats) -> None:
         self._path = path
         self._stats = stats
         self._written = 0
         self._flushed = 0
+        self._dfd: int | None = None  # the O_DIRECT handle, open until close/abort
+        self._direct = False  # whether blocks go through it (False once the filesystem refused one)
         try:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
@@ -201,9 +209,62 @@ class _LocalWriter:
         self._stats.add_write(total)
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
-        _sync_file_range(self._fd, offset, nbytes)
+        if not self._direct:
+            _sync_file_range(self._fd, offset, nbytes)
+
+    def open_direct(self) -> bool:
+        """Open a second handle on the file with ``O_DIRECT``: blocks written through
+        ``pwrite_block`` then go from memory to the device, without a copy into the page
+        cache. False (nothing changes) where the OS or the filesystem has no direct I/O."""
+        if not direct_io_enabled():
+            return False
+        try:
+            self._dfd = os.open(self._path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        self._direct = True
+        return True
+
+    def pwrite_block(self, offset: int, data, nbytes: int) -> None:
+        """Write the first ``nbytes`` of ``data`` at ``offset``, where ``offset``, the address of
+        ``data`` and ``len(data)`` are multiples of ``DIRECT_ALIGN`` (``data`` past ``nbytes``
+        is padding: the caller trims the file with ``truncate``). Direct where ``open_direct``
+        succeeded, else, or once the filesystem refuses it (EINVAL), through the page cache."""
+        mv = memoryview(data).cast("B")
+        if self._direct:
+            pos = 0
+            try:
+                while pos < len(mv):
+                    n = os.pwrite(self._dfd, mv[pos:], offset + pos)
+                    if n <= 0 or n % DIRECT_ALIGN:
+                        break  # a short, unaligned write: the rest through the page cache
+                    pos += n
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise _storage_error(self._path, e, "write") from None
+                self._direct = False  # this filesystem takes no direct I/O after all
+            if pos >= nbytes:
+                self._stats.add_write(nbytes)
+                return
+            mv, offset, nbytes = mv[pos:], offset + pos, nbytes - pos
+        self.pwrite(offset, mv[:nbytes])
+
+    def truncate(self, size: int) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as e:
+            raise _storage_error(self._path, e, "truncate") from None
+
+    def _drop_direct(self) -> None:
+        dfd, self._dfd, self._direct = self._dfd, None, False
+        if dfd is not None:
+            try:
+                os.close(dfd)
+            except OSError:
+                pass
 
     def close(self, *, sync: bool = True) -> None:
+        self._drop_direct()
         try:
             if sync:
                 os.fsync(self._fd)
@@ -213,6 +274,7 @@ class _LocalWriter:
             os.close(self._fd)
 
     def abort(self) -> None:
+        self._drop_direct()
         try:
             os.close(self._fd)
         except OSError:
