@@ -159,8 +159,10 @@ def write_shard_file(
 
     With ``workers > 1`` on a storage with positional writes, and every shard's memory
     contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
-    threads write and hash independently, straight from tensor memory. Otherwise the file is
-    streamed in order, hashing each piece on a helper thread while the OS writes it.
+    threads write and hash independently, straight from tensor memory. A durable write
+    (``sync``) of a file larger than a part goes around the page cache where the storage
+    can (``O_DIRECT``, on two threads at least). Otherwise the file is streamed in order,
+    hashing each piece on a helper thread while the OS writes it.
     """
     if part_size % chunk_size or part_size <= 0:
         raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
@@ -169,11 +171,13 @@ def write_shard_file(
     w = storage.open_writer(path)
     try:
         segments = _direct_segments(header, shards)
-        if workers > 1 and segments is not None and hasattr(w, "pwrite") and header.file_size > part_size:
-            # durable writes of a large file bypass the page cache where the filesystem allows
-            direct = sync and hasattr(w, "open_direct") and w.open_direct()
-            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size,
-                                         part_size=part_size, workers=workers, direct=direct)
+        parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
+        # durable writes of a large file bypass the page cache where the filesystem allows; then
+        # two threads at least, so that one copies and hashes while the other waits on the device
+        direct = parts and sync and hasattr(w, "open_direct") and w.open_direct()
+        if direct or (parts and workers > 1):
+            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
+                                         workers=max(workers, 2) if direct else workers, direct=direct)
         else:
             chunks, total = _write_stream(w, header.data, shards, chunk_size)
     except BaseException:

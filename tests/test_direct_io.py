@@ -48,7 +48,8 @@ class _Opens:
 
 def _write(tmp_path, name, **kw):
     st = LocalStorage()
-    w = write_shard_file(st, str(tmp_path), name, 0, _shards(), chunk_size=4096, workers=3, part_size=1 << 20, **kw)
+    kw = {"workers": 3, **kw}
+    w = write_shard_file(st, str(tmp_path), name, 0, _shards(), chunk_size=4096, part_size=1 << 20, **kw)
     return w, (tmp_path / name).read_bytes()
 
 
@@ -69,6 +70,13 @@ def test_a_direct_write_gives_the_page_cache_write_s_bytes(tmp_path, monkeypatch
     assert len(opens.direct_fds) == 1  # it did go through O_DIRECT
     assert got_bytes == ref_bytes  # padding trimmed: the exact size and bytes
     assert got.record.chunks == ref.record.chunks and got.record.digest == ref.record.digest
+
+
+def test_one_writer_thread_writes_direct_too(tmp_path, monkeypatch):
+    ref, ref_bytes = _reference(tmp_path, monkeypatch)
+    opens = _Opens(monkeypatch)
+    got, got_bytes = _write(tmp_path, "one.safetensors", workers=1)
+    assert opens.direct_fds and got_bytes == ref_bytes and got.record.chunks == ref.record.chunks
 
 
 def test_a_filesystem_without_direct_io_gets_the_same_file(tmp_path, monkeypatch):
