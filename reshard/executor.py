@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shardfmt import aligned
+from shardfmt.aligned import DIRECT_ALIGN, address
 from shardfmt.errors import IntegrityError, ShardfmtError
 from shardfmt.hashing import ChunkHasher
 from shardfmt.manifest import FileRecord
@@ -33,6 +35,8 @@ DEFAULT_WORKERS = 4
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
+DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``Executor(sole=...)``)
+DIRECT_MAX_BLOCK = 8 << 20  # the largest block (and bounce buffer) of such a read
 
 
 class _Readers:
@@ -104,12 +108,12 @@ class _ReadAhead:
     """
 
     def __init__(self, reads: Sequence[PhysicalRead], readers: _Readers, window: int) -> None:
-        self._reads = reads
+        self._reads = reads  # the reads to hint (None: a read that goes around the page cache)
         self._readers = readers
         self._window = window
         self._cum = [0]  # bytes of reads[:i]
         for r in reads:
-            self._cum.append(self._cum[-1] + r.byte_range.length)
+            self._cum.append(self._cum[-1] + (r.byte_range.length if r is not None else 0))
         self._next = 0  # reads before this one have been asked for
         self._lock = threading.Lock()
 
@@ -122,7 +126,7 @@ class _ReadAhead:
             if j <= lo:
                 return
             self._next = j
-        self._readers.prefetch(self._reads[lo:j])
+        self._readers.prefetch([r for r in self._reads[lo:j] if r is not None])
 
 
 def _dst_view(dst: torch.Tensor, item: CopyItem) -> torch.Tensor:
@@ -151,13 +155,19 @@ class Executor:
     memory budget) keeps one fixed set; each must hold the plan's largest bounced read.
     ``bounce`` names targets that are never read into directly even when they could be
     (targets sharing memory: bytes landing there could change before they are hashed).
+    ``sole`` names targets whose bytes no other process on the machine reads (a DTensor
+    sharded on every mesh dim, or any target of a single process): large reads that land
+    straight in them go around the page cache where the storage can (``O_DIRECT``), which
+    saves the kernel's copy and its page allocations; bytes that other ranks may read too
+    stay in the page cache, where they are read from the device once.
     """
 
     def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
                  chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
                  workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = (),
-                 bounce: frozenset[int] = frozenset()) -> None:
+                 bounce: frozenset[int] = frozenset(), sole: frozenset[int] = frozenset()) -> None:
         self.bounce = bounce
+        self.sole = sole
         self.storage = storage
         self.root = root
         self.files = files
@@ -175,7 +185,7 @@ class Executor:
         for b in self._given:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, self.files)
-        ahead = _ReadAhead(plan.reads, readers, PREFETCH_WINDOW)
+        ahead = _ReadAhead([None if self._around_cache(r) else r for r in plan.reads], readers, PREFETCH_WINDOW)
         try:
             workers = min(self.workers, len(plan.reads), self.storage.read_concurrency)
             if workers <= 1:
@@ -210,6 +220,16 @@ class Executor:
             pos = it.src_end
         return True
 
+    def _around_cache(self, read: PhysicalRead) -> bool:
+        """Whether ``read`` may go around the page cache: large, on local storage, landing
+        straight in targets only this process reads, with few bytes of gap between them."""
+        if self.storage.object_store or read.byte_range.length < DIRECT_MIN_READ:
+            return False
+        if any(it.target not in self.sole for it in read.items):
+            return False
+        used = sum(it.src_end - it.src_start for it in read.items)
+        return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
+
     def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
              ahead: _ReadAhead | None = None, k: int = 0) -> None:
         if ahead is not None:
@@ -227,6 +247,15 @@ class Executor:
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
+            if getattr(reader, "direct", False) and self._around_cache(read):
+                hasher = ChunkHasher(self.chunk_size) if verify else None
+                try:
+                    _read_direct(reader, read, segments, hasher)
+                except ShardfmtError as e:
+                    raise type(e)(f"{read.file}: reading bytes [{start}, {end}) failed: {e}") from None
+                if hasher is not None:
+                    self._verify(read, hasher.finish())
+                return
             self._read(reader, read, segments, verify)
             return
         buf = self._bounce(end - start)
@@ -304,3 +333,28 @@ class Executor:
                     f"{read.file}: chunk {k} (bytes [{lo}, {min(lo + c, end)})) hashes to {digest}, "
                     f"manifest says {want[k] if k < len(want) else 'nothing'}"
                 )
+
+
+def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],
+                 hasher: ChunkHasher | None) -> None:
+    """Read ``read`` around the page cache (``FileReader.read_block``): aligned blocks land in a
+    reused bounce buffer, are hashed there, then copied into the segments in order."""
+    start, end = read.byte_range.start, read.byte_range.end
+    lo = start - start % DIRECT_ALIGN
+    size = aligned.bounce_size(64 * (end - lo), cap=DIRECT_MAX_BLOCK)  # the read's size at most
+    seg, filled = 0, 0  # the segment being filled, and its bytes already filled
+    with aligned.POOL.buffer(size) as bounce:
+        for block in range(lo, end, size):
+            n = min(block + size, end) - block
+            reader.read_block(block, bounce.mv[:size], n)
+            p = max(start - block, 0)
+            if hasher is not None:
+                hasher.update(bounce.mv[p:n])
+            while p < n:
+                dst = segments[seg]
+                k = min(n - p, len(dst) - filled)
+                aligned.copy(address(dst, filled), bounce.address + p, k)
+                p += k
+                filled += k
+                if filled == len(dst):
+                    seg, filled = seg + 1, 0

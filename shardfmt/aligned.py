@@ -29,11 +29,11 @@ def address(mv: memoryview, offset: int) -> int:
     return np.frombuffer(mv, dtype=np.uint8).ctypes.data + offset
 
 
-def bounce_size(nbytes: int) -> int:
-    """The bounce buffer for moving ``nbytes``: a power of two near 1/64 of them, between
-    256 KiB and 4 MiB, so the buffers stay small next to the data they carry and are reused
-    across files of similar size."""
-    return min(4 << 20, max(256 << 10, 1 << max(0, (nbytes // 64).bit_length() - 1)))
+def bounce_size(nbytes: int, *, cap: int = 4 << 20) -> int:
+    """The bounce buffer for moving ``nbytes`` through bounce buffers of 1/64 of them: the
+    power of two at or below that, between 256 KiB and ``cap``, so the buffers stay small next
+    to the data they carry and are reused across files of similar size."""
+    return min(cap, max(256 << 10, 1 << max(0, (nbytes // 64).bit_length() - 1)))
 
 
 class Bounce:

@@ -202,6 +202,11 @@ def _targets_of(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]
     return v, [(v, Box.full(v.shape))], tuple(v.shape)
 
 
+def _sharded_on_every_dim(v) -> bool:
+    """A DTensor split on every mesh dim of size > 1: no other rank holds its bytes."""
+    return _is_dtensor(v) and all(p.is_shard() or v.device_mesh.size(i) == 1 for i, p in enumerate(v.placements))
+
+
 def load(
     state_dict: dict,
     path: str,
@@ -247,6 +252,7 @@ def load(
     pending_values: list[tuple[Leaf, Any]] = []
     missing: list[str] = []
     loaded: list[str] = []
+    sole: set[int] = set()  # targets no other process reads the bytes of
     for leaf in leaves:
         v = leaf.value
         if isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v):
@@ -276,6 +282,8 @@ def load(
                 continue
             for view, box in pieces:
                 _check_writable(leaf.fqn, view)
+                if world_size == 1 or _sharded_on_every_dim(v):
+                    sole.add(len(dsts))
                 targets.append(TargetSlice(index=len(dsts), fqn=name, box=box))
                 dsts.append(view.detach())  # filled in place, outside autograd (Parameters too)
                 src_dtypes.append(src_dtype)
@@ -316,7 +324,7 @@ def load(
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
     try:
         Executor(ckpt.storage, ckpt.path, m.files, chunk_size=m.chunk_size, src_dtypes=src_dtypes,
-                 targets=dsts, workers=workers, bounce=bounce).run(plan)
+                 targets=dsts, workers=workers, bounce=bounce, sole=frozenset(sole)).run(plan)
     except ShardfmtError as e:
         err = type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
                       "checkpoint's data and must not be used)")

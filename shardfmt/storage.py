@@ -282,11 +282,14 @@ class _LocalWriter:
 
 
 class _LocalReader:
-    __slots__ = ("_fd", "_path", "_stats", "size")
+    __slots__ = ("_fd", "_dfd", "_direct", "_lock", "_path", "_stats", "size")
 
     def __init__(self, path: str, stats: IOStats) -> None:
         self._path = path
         self._stats = stats
+        self._dfd: int | None = None  # the O_DIRECT handle, opened at the first block read
+        self._direct = direct_io_enabled()
+        self._lock = threading.Lock()
         try:
             self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             self.size = os.fstat(self._fd).st_size
@@ -313,6 +316,40 @@ class _LocalReader:
             raise _storage_error(self._path, e, "read") from None
         self._stats.add_read(want)
 
+    @property
+    def direct(self) -> bool:
+        """Whether ``read_block`` may go around the page cache (``O_DIRECT``)."""
+        return self._direct
+
+    def read_block(self, offset: int, buffer: memoryview, nbytes: int) -> None:
+        """Read the ``nbytes`` at ``offset`` into the start of ``buffer``, where ``offset``, the
+        address of ``buffer`` and its length are multiples of ``DIRECT_ALIGN`` and its length
+        covers ``nbytes`` (the rest of it may be overwritten): straight from the device where
+        the filesystem allows, else through the page cache."""
+        if self._direct:
+            with self._lock:
+                if self._dfd is None and self._direct:
+                    try:
+                        self._dfd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                    except OSError:
+                        self._direct = False
+            got = 0
+            try:
+                while self._direct and got < nbytes:
+                    n = os.preadv(self._dfd, [buffer[got:]], offset + got)
+                    if n % DIRECT_ALIGN and got + n < nbytes or n == 0:
+                        break  # the file ends early: the page-cache read below says so, named
+                    got += n
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise _storage_error(self._path, e, "read") from None
+                self._direct = False  # this filesystem takes no direct I/O after all
+            if got >= nbytes:
+                self._stats.add_read(nbytes)
+                return
+            buffer, offset, nbytes = buffer[got:], offset + got, nbytes - got
+        self.readinto(offset, [buffer[:nbytes]])
+
     def prefetch(self, offset: int, length: int) -> None:
         """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait)."""
         try:
@@ -321,6 +358,9 @@ class _LocalReader:
             pass
 
     def close(self) -> None:
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
         os.close(self._fd)
 
 

@@ -155,3 +155,104 @@ def test_memory_aligned_like_the_file_is_written_without_a_copy(monkeypatch):
         i, block = _gather(segments, 0, 0, 4096, bounce)  # header + data: gathered into the bounce buffer
         assert len(copies) == 2 and i == 1  # the header's bytes and the tensor's
         assert bytes(block) == b"h" * 100 + bytes(mv[100:4096])
+
+
+# ---------------------------------------------------------------- reads
+
+
+def _saved(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(700_001, generator=g), "h": torch.randn(333, 777, generator=g, dtype=torch.float64)}
+    path = str(tmp_path / "ck")
+    shardfmt.save(state, path, chunk_size=1 << 20)
+    return state, path
+
+
+class _DirectReads:
+    """Count the O_DIRECT read handles opened and the bytes read through them."""
+
+    def __init__(self, monkeypatch, *, refuse_open: bool = False, refuse_read: bool = False) -> None:
+        self.fds: list[int] = []
+        self.bytes = 0
+        real_open, real_preadv = os.open, os.preadv
+
+        def spy_open(path, flags, *a, **k):
+            if flags & os.O_DIRECT and not flags & (os.O_WRONLY | os.O_RDWR):
+                if refuse_open:
+                    raise OSError(errno.EINVAL, "Invalid argument", path)
+                fd = real_open(path, flags, *a, **k)
+                self.fds.append(fd)
+                return fd
+            return real_open(path, flags, *a, **k)
+
+        def spy_preadv(fd, bufs, offset, *a):
+            if fd in self.fds:
+                if refuse_read:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+                n = real_preadv(fd, bufs, offset, *a)
+                self.bytes += n
+                return n
+            return real_preadv(fd, bufs, offset, *a)
+
+        monkeypatch.setattr(os, "open", spy_open)
+        monkeypatch.setattr(os, "preadv", spy_preadv)
+
+
+def test_a_single_process_load_reads_around_the_page_cache(tmp_path, monkeypatch):
+    state, path = _saved(tmp_path)
+    reads = _DirectReads(monkeypatch)
+    out = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    shardfmt.load(out, path)
+    assert reads.fds and reads.bytes >= 700_001 * 4  # the large reads went O_DIRECT
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("refuse", ["open", "read"])
+def test_a_filesystem_refusing_direct_reads_still_loads(tmp_path, monkeypatch, refuse):
+    state, path = _saved(tmp_path)
+    _DirectReads(monkeypatch, refuse_open=refuse == "open", refuse_read=refuse == "read")
+    out = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    shardfmt.load(out, path)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_a_slice_starting_off_a_block_boundary_reads_exactly_its_bytes(tmp_path, monkeypatch):
+    state, path = _saved(tmp_path)
+    reads = _DirectReads(monkeypatch)
+    lo, n = 12_345, 600_000  # starts mid-block; without verification the read is not chunk-rounded
+    backing = torch.full((n + 2,), 7.0)
+    part = shardfmt.ShardedTensor(backing[1:-1], global_shape=(700_001,), offsets=(lo,))
+    shardfmt.load({"w": part}, path, strict=False, verify=False)
+    assert reads.fds
+    assert torch.equal(backing[1:-1], state["w"][lo:lo + n])
+    assert backing[0] == 7.0 and backing[-1] == 7.0  # its neighbours untouched
+
+
+def test_a_corrupt_chunk_read_directly_is_caught(tmp_path, monkeypatch):
+    state, path = _saved(tmp_path)
+    f = next((tmp_path / "ck" / "data").iterdir())
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    reads = _DirectReads(monkeypatch)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(shardfmt.IntegrityError, match=f"{f.name}: .*chunk"):
+        shardfmt.load(out, path)
+    assert reads.fds
+
+
+def test_bytes_other_ranks_may_read_stay_in_the_page_cache(tmp_path, monkeypatch):
+    """A rank of a 2-rank job loading a plain (replicated) tensor: its neighbour reads the same
+    bytes, so they are read through the page cache (from the device once)."""
+    from shardfmt.manifest import Topology
+
+    w = torch.randn(700_001)
+    path = str(tmp_path / "two")
+    cw = shardfmt.CheckpointWriter(path)
+    cw.write_rank(0, [ShardData(fqn="w", data=w, global_shape=(700_001,), offsets=(0,))])
+    cw.write_rank(1, [])
+    cw.commit(step=1, topology=Topology(world_size=2))
+    reads = _DirectReads(monkeypatch)
+    out = {"w": torch.zeros_like(w)}
+    shardfmt.load(out, path, rank=1)
+    assert reads.fds == [] and torch.equal(out["w"], w)
