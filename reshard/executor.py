@@ -185,8 +185,9 @@ class Executor:
         for b in self._given:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, self.files)
-        ahead = _ReadAhead([None if self._around_cache(r) else r for r in plan.reads], readers, PREFETCH_WINDOW)
         try:
+            ahead = _ReadAhead([None if self._around_cache(r) and readers.get(r.file).direct else r
+                                for r in plan.reads], readers, PREFETCH_WINDOW)
             workers = min(self.workers, len(plan.reads), self.storage.read_concurrency)
             if workers <= 1:
                 for k, r in enumerate(plan.reads):
@@ -247,7 +248,7 @@ class Executor:
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
-            if getattr(reader, "direct", False) and self._around_cache(read):
+            if self._around_cache(read) and getattr(reader, "direct", False):
                 hasher = ChunkHasher(self.chunk_size) if verify else None
                 try:
                     _read_direct(reader, read, segments, hasher)

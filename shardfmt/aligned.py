@@ -12,9 +12,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 
 import numpy as np
+
+from .errors import StorageError
 
 DIRECT_ALIGN = 4096  # bytes: O_DIRECT blocks start, end and sit in memory at multiples (4Kn-safe)
 
@@ -40,7 +43,11 @@ class Bounce:
     """A page-aligned, pre-faulted buffer that direct I/O blocks pass through."""
 
     def __init__(self, nbytes: int) -> None:
-        self.map = mmap.mmap(-1, nbytes)
+        # private: a forked child gets its own copy (a shared mapping would be one buffer in both)
+        try:
+            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
+            raise StorageError(f"cannot map a {nbytes}-byte I/O buffer: {e.strerror or e}") from None
         self.mv = memoryview(self.map)
         self.address = address(self.mv, 0)
         self.mv[:] = bytes(nbytes)  # fault the pages in now, not during the first save
@@ -53,6 +60,12 @@ class BouncePool:
     def __init__(self, keep: int) -> None:
         self._keep = keep
         self._free: list[Bounce] = []
+        self._lock = threading.Lock()
+
+    def forget(self) -> None:
+        """Start empty, with a new lock (in a forked child: another thread may have held the
+        parent's lock at the fork, and the buffers in use belong to the parent's threads)."""
+        self._free = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -70,6 +83,6 @@ class BouncePool:
                 del self._free[:-self._keep]
 
 
-
-
-POOL = BouncePool(keep=8)  # the process's bounce buffers, for writers and readers alike
+POOL = BouncePool(keep=4)  # the process's bounce buffers, for writers and readers alike
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=POOL.forget)

@@ -202,9 +202,11 @@ def _targets_of(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]
     return v, [(v, Box.full(v.shape))], tuple(v.shape)
 
 
-def _sharded_on_every_dim(v) -> bool:
-    """A DTensor split on every mesh dim of size > 1: no other rank holds its bytes."""
-    return _is_dtensor(v) and all(p.is_shard() or v.device_mesh.size(i) == 1 for i, p in enumerate(v.placements))
+def _sharded_on_every_dim(v, world_size: int | None) -> bool:
+    """A DTensor split on every mesh dim of size > 1, on a mesh of every rank of the job: no
+    other rank holds its bytes (a mesh of fewer ranks may have replicas outside it: DDP over TP)."""
+    return (_is_dtensor(v) and v.device_mesh.size() == world_size
+            and all(p.is_shard() or v.device_mesh.size(i) == 1 for i, p in enumerate(v.placements)))
 
 
 def load(
@@ -282,7 +284,7 @@ def load(
                 continue
             for view, box in pieces:
                 _check_writable(leaf.fqn, view)
-                if world_size == 1 or _sharded_on_every_dim(v):
+                if world_size == 1 or _sharded_on_every_dim(v, world_size):
                     sole.add(len(dsts))
                 targets.append(TargetSlice(index=len(dsts), fqn=name, box=box))
                 dsts.append(view.detach())  # filled in place, outside autograd (Parameters too)

@@ -246,6 +246,7 @@ class _LocalWriter:
             if pos >= nbytes:
                 self._stats.add_write(nbytes)
                 return
+            self._stats.add_write(pos, requests=0)  # the rest is counted by pwrite
             mv, offset, nbytes = mv[pos:], offset + pos, nbytes - pos
         self.pwrite(offset, mv[:nbytes])
 
@@ -318,7 +319,14 @@ class _LocalReader:
 
     @property
     def direct(self) -> bool:
-        """Whether ``read_block`` may go around the page cache (``O_DIRECT``)."""
+        """Whether ``read_block`` goes around the page cache (``O_DIRECT``): the handle is
+        opened at the first question (False where the filesystem refuses it)."""
+        with self._lock:
+            if self._dfd is None and self._direct:
+                try:
+                    self._dfd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                except OSError:
+                    self._direct = False
         return self._direct
 
     def read_block(self, offset: int, buffer: memoryview, nbytes: int) -> None:
@@ -326,13 +334,7 @@ class _LocalReader:
         address of ``buffer`` and its length are multiples of ``DIRECT_ALIGN`` and its length
         covers ``nbytes`` (the rest of it may be overwritten): straight from the device where
         the filesystem allows, else through the page cache."""
-        if self._direct:
-            with self._lock:
-                if self._dfd is None and self._direct:
-                    try:
-                        self._dfd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-                    except OSError:
-                        self._direct = False
+        if self.direct:
             got = 0
             try:
                 while self._direct and got < nbytes:
@@ -347,6 +349,7 @@ class _LocalReader:
             if got >= nbytes:
                 self._stats.add_read(nbytes)
                 return
+            self._stats.add_read(got, requests=0)  # the rest is counted by readinto
             buffer, offset, nbytes = buffer[got:], offset + got, nbytes - got
         self.readinto(offset, [buffer[:nbytes]])
 
@@ -358,10 +361,12 @@ class _LocalReader:
             pass
 
     def close(self) -> None:
-        if self._dfd is not None:
-            os.close(self._dfd)
-            self._dfd = None
-        os.close(self._fd)
+        dfd, self._dfd = self._dfd, None
+        try:
+            if dfd is not None:
+                os.close(dfd)
+        finally:
+            os.close(self._fd)
 
 
 class LocalStorage:

@@ -174,7 +174,7 @@ def write_shard_file(
         parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
         # durable writes of a large file bypass the page cache where the filesystem allows; then
         # two threads at least, so that one copies and hashes while the other waits on the device
-        direct = parts and sync and hasattr(w, "open_direct") and w.open_direct()
+        direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
         if direct or (parts and workers > 1):
             chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
                                          workers=max(workers, 2) if direct else workers, direct=direct)
@@ -385,7 +385,8 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
                  part_size: int, workers: int, direct: bool = False) -> tuple[list[str], int]:
     """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads.
 
-    ``direct``: ``w`` has an ``O_DIRECT`` handle. The parts are then written in aligned blocks
+    ``direct``: ``w`` has an ``O_DIRECT`` handle and ``part_size`` is a multiple of
+    ``DIRECT_ALIGN`` (only the file's last block is padded). The parts are then written in aligned blocks
     (``storage.DIRECT_ALIGN``): straight from the tensors' memory where it is aligned alike,
     else gathered into a reused page-aligned bounce buffer per thread (a memcpy at memory speed,
     instead of the kernel's copy into page-cache pages it must first allocate). The last

@@ -256,3 +256,49 @@ def test_bytes_other_ranks_may_read_stay_in_the_page_cache(tmp_path, monkeypatch
     out = {"w": torch.zeros_like(w)}
     shardfmt.load(out, path, rank=1)
     assert reads.fds == [] and torch.equal(out["w"], w)
+
+
+def test_parts_not_aligned_to_blocks_write_through_the_page_cache(tmp_path, monkeypatch):
+    """A part size that is no multiple of 4096 (chunk_size 5120): padding a part's last block
+    would overwrite the next part's first bytes, so such files are written buffered."""
+    opens = _Opens(monkeypatch)
+    w = torch.randn(900_000, generator=torch.Generator().manual_seed(1))
+    path = str(tmp_path / "ck")
+    shardfmt.save({"w": w}, path, chunk_size=5120, part_size=5120 * 205, write_workers=2)
+    assert opens.direct_fds == []
+    assert shardfmt.validate(path, deep=True).ok
+    out = {"w": torch.zeros_like(w)}
+    shardfmt.load(out, path)
+    assert torch.equal(out["w"], w)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork")
+def test_a_forked_child_has_bounce_buffers_of_its_own():
+    with aligned.POOL.buffer(1 << 18) as b:
+        b.mv[:4] = b"PRNT"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its pool starts empty, and the parent's buffer is a private copy
+        ok = aligned.POOL._free == []
+        b.mv[:4] = b"CHLD"
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert bytes(b.mv[:4]) == b"PRNT"
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_only_reads_through_the_page_cache_are_hinted_to_the_kernel(tmp_path, monkeypatch, direct):
+    from shardfmt import storage
+
+    state, path = _saved(tmp_path)
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", direct)
+    hints = []
+    real = storage._LocalReader.prefetch
+    monkeypatch.setattr(storage._LocalReader, "prefetch", lambda self, o, n: (hints.append(n), real(self, o, n)))
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    shardfmt.load(out, path)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    assert (sum(hints) >= 700_001 * 4) == (direct == "0")  # read-ahead for page-cache reads only
