@@ -112,6 +112,38 @@ def load2(rank, world, args):
         targets = _dtensor_targets(mesh, lambda s: [Shard(0)] if s.shape else [Replicate()])
         shardfmt.load(targets, args[name], strict=True)
         out[f"dtensor_dp2_{name}"] = (_check_dtensors(targets), len(targets))
+    out.update(_direct_reads_by_placement(mesh, args["out_dir"]))
+    return out
+
+
+def _direct_reads_by_placement(mesh, out_dir: str) -> dict:
+    """Large reads of bytes only this rank needs (Shard) go around the page cache (O_DIRECT);
+    bytes both ranks read (Replicate) stay in it."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = torch.arange(2 << 20, dtype=torch.float32).reshape(1024, 2048)  # 8 MiB: 4 MiB a rank
+    path = os.path.join(out_dir, "direct_reads")
+    shardfmt.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, path)
+    real, opened = os.open, []
+
+    def spy(p, flags, *a, **k):
+        if flags & getattr(os, "O_DIRECT", 0) and not flags & (os.O_WRONLY | os.O_RDWR):
+            opened.append(p)
+        return real(p, flags, *a, **k)
+
+    out = {}
+    os.open = spy
+    try:
+        for label, placement in (("shard", Shard(0)), ("replicate", Replicate())):
+            opened.clear()
+            target = {"w": distribute_tensor(torch.zeros_like(full), mesh, [placement])}
+            shardfmt.load(target, path)
+            bad = [] if torch.equal(target["w"].full_tensor(), full) else ["w"]
+            if hasattr(os, "O_DIRECT") and bool(opened) != (label == "shard"):
+                bad.append(f"O_DIRECT opens {len(opened)}")
+            out[f"direct_reads_{label}"] = (bad, 1)
+    finally:
+        os.open = real
     return out
 
 
