@@ -36,7 +36,6 @@ READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
 DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``Executor(sole=...)``)
-DIRECT_MAX_BLOCK = 8 << 20  # the largest block (and bounce buffer) of such a read
 
 
 class _Readers:
@@ -186,9 +185,13 @@ class Executor:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, self.files)
         try:
-            ahead = _ReadAhead([None if self._around_cache(r) and readers.get(r.file).direct else r
-                                for r in plan.reads], readers, PREFETCH_WINDOW)
-            workers = min(self.workers, len(plan.reads), self.storage.read_concurrency)
+            hinted = [None if self._around_cache(r) and readers.get(r.file).direct else r for r in plan.reads]
+            ahead = _ReadAhead(hinted, readers, PREFETCH_WINDOW)
+            # direct reads mostly wait on the device: more of them keep its queue full
+            concurrency = self.storage.read_concurrency
+            if None in hinted:
+                concurrency = max(concurrency, aligned.MIN_THREADS)
+            workers = min(self.workers, len(plan.reads), concurrency)
             if workers <= 1:
                 for k, r in enumerate(plan.reads):
                     ahead.starting(k)
@@ -342,7 +345,7 @@ def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryvi
     reused bounce buffer, are hashed there, then copied into the segments in order."""
     start, end = read.byte_range.start, read.byte_range.end
     lo = start - start % DIRECT_ALIGN
-    size = aligned.bounce_size(64 * (end - lo), cap=DIRECT_MAX_BLOCK)  # the read's size at most
+    size = aligned.bounce_size(64 * (end - lo), cap=aligned.MAX_BLOCK)  # the read's size at most
     seg, filled = 0, 0  # the segment being filled, and its bytes already filled
     with aligned.POOL.buffer(size) as bounce:
         for block in range(lo, end, size):

@@ -20,6 +20,8 @@ import numpy as np
 from .errors import StorageError
 
 DIRECT_ALIGN = 4096  # bytes: O_DIRECT blocks start, end and sit in memory at multiples (4Kn-safe)
+MAX_BLOCK = 16 << 20  # the largest block, and bounce buffer, of a direct transfer (1 GiB files and up)
+MIN_THREADS = 4  # threads moving a large direct transfer: they mostly wait on the device and keep its queue full
 
 
 def copy(dst: int, src: int, nbytes: int) -> None:

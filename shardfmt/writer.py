@@ -161,7 +161,7 @@ def write_shard_file(
     contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
     threads write and hash independently, straight from tensor memory. A durable write
     (``sync``) of a file larger than a part goes around the page cache where the storage
-    can (``O_DIRECT``, on two threads at least). Otherwise the file is streamed in order,
+    can (``O_DIRECT``, on ``aligned.MIN_THREADS`` threads at least). Otherwise the file is streamed in order,
     hashing each piece on a helper thread while the OS writes it.
     """
     if part_size % chunk_size or part_size <= 0:
@@ -172,12 +172,12 @@ def write_shard_file(
     try:
         segments = _direct_segments(header, shards)
         parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
-        # durable writes of a large file bypass the page cache where the filesystem allows; then
-        # two threads at least, so that one copies and hashes while the other waits on the device
+        # durable writes of a large file bypass the page cache where the filesystem allows, on
+        # MIN_THREADS at least: they mostly wait on the device, and keep its queue full
         direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
         if direct or (parts and workers > 1):
             chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
-                                         workers=max(workers, 2) if direct else workers, direct=direct)
+                                         workers=max(workers, aligned.MIN_THREADS) if direct else workers, direct=direct)
         else:
             chunks, total = _write_stream(w, header.data, shards, chunk_size)
     except BaseException:
@@ -393,7 +393,7 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
     block is padded, and the file trimmed to its size.
     """
     starts = [off for off, _, _ in segments]
-    bounce_size = aligned.bounce_size(file_size)
+    bounce_size = aligned.bounce_size(file_size, cap=aligned.MAX_BLOCK)
 
     def part(lo: int) -> tuple[list[str], int]:
         hi = min(lo + part_size, file_size)
