@@ -17,7 +17,7 @@ import ctypes
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -166,6 +166,29 @@ def direct_io_enabled() -> bool:
     return hasattr(os, "O_DIRECT") and os.environ.get("SHARDFMT_DIRECT_IO", "1") != "0"
 
 
+def _direct_transfer(call, mv: memoryview, offset: int, want: int, path: str, what: str,
+                     count: Callable[..., None]) -> tuple[int, bool]:
+    """Move ``want`` bytes between ``mv`` and the file at ``offset`` with ``call(view, offset) -> n``
+    on an ``O_DIRECT`` handle, counting them with ``count`` (``IOStats.add_read``/``add_write``).
+    Stops short at a count that is not a whole block (the file's end, or a short write): the
+    caller moves the rest through the page cache (which counts it, and names a truncated
+    file). Return the bytes moved, and False once the filesystem refuses direct I/O (EINVAL)
+    so the caller stops using it."""
+    done, ok = 0, True
+    try:
+        while done < want:
+            n = call(mv[done:], offset + done)
+            if n <= 0 or (n % DIRECT_ALIGN and done + n < want):
+                break
+            done += n
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise _storage_error(path, e, what) from None
+        ok = False
+    count(min(done, want), requests=1 if done >= want else 0)
+    return done, ok
+
+
 class _LocalWriter:
     __slots__ = ("_fd", "_dfd", "_direct", "_path", "_stats", "_written", "_flushed")
 
@@ -232,21 +255,10 @@ class _LocalWriter:
         succeeded, else, or once the filesystem refuses it (EINVAL), through the page cache."""
         mv = memoryview(data).cast("B")
         if self._direct:
-            pos = 0
-            try:
-                while pos < len(mv):
-                    n = os.pwrite(self._dfd, mv[pos:], offset + pos)
-                    if n <= 0 or n % DIRECT_ALIGN:
-                        break  # a short, unaligned write: the rest through the page cache
-                    pos += n
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise _storage_error(self._path, e, "write") from None
-                self._direct = False  # this filesystem takes no direct I/O after all
+            pos, self._direct = _direct_transfer(lambda v, o: os.pwrite(self._dfd, v, o), mv, offset, nbytes,
+                                                 self._path, "write", self._stats.add_write)
             if pos >= nbytes:
-                self._stats.add_write(nbytes)
                 return
-            self._stats.add_write(pos, requests=0)  # the rest is counted by pwrite
             mv, offset, nbytes = mv[pos:], offset + pos, nbytes - pos
         self.pwrite(offset, mv[:nbytes])
 
@@ -335,21 +347,10 @@ class _LocalReader:
         covers ``nbytes`` (the rest of it may be overwritten): straight from the device where
         the filesystem allows, else through the page cache."""
         if self.direct:
-            got = 0
-            try:
-                while self._direct and got < nbytes:
-                    n = os.preadv(self._dfd, [buffer[got:]], offset + got)
-                    if n % DIRECT_ALIGN and got + n < nbytes or n == 0:
-                        break  # the file ends early: the page-cache read below says so, named
-                    got += n
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise _storage_error(self._path, e, "read") from None
-                self._direct = False  # this filesystem takes no direct I/O after all
+            got, self._direct = _direct_transfer(lambda v, o: os.preadv(self._dfd, [v], o), buffer, offset, nbytes,
+                                                 self._path, "read", self._stats.add_read)
             if got >= nbytes:
-                self._stats.add_read(nbytes)
                 return
-            self._stats.add_read(got, requests=0)  # the rest is counted by readinto
             buffer, offset, nbytes = buffer[got:], offset + got, nbytes - got
         self.readinto(offset, [buffer[:nbytes]])
 
