@@ -185,20 +185,20 @@ class Executor:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, self.files)
         try:
-            hinted = [None if self._around_cache(r) and readers.get(r.file).direct else r for r in plan.reads]
-            ahead = _ReadAhead(hinted, readers, PREFETCH_WINDOW)
+            around = [self._around_cache(r) and readers.get(r.file).direct for r in plan.reads]
+            ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)
             # direct reads mostly wait on the device: more of them keep its queue full
             concurrency = self.storage.read_concurrency
-            if None in hinted:
+            if any(around):
                 concurrency = max(concurrency, aligned.MIN_THREADS)
             workers = min(self.workers, len(plan.reads), concurrency)
             if workers <= 1:
                 for k, r in enumerate(plan.reads):
                     ahead.starting(k)
-                    self._one(r, readers, plan.verify)
+                    self._one(r, readers, plan.verify, around=around[k])
             else:
                 with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
-                    futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k)
+                    futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=around[k])
                                for k, r in enumerate(plan.reads)]
                     errors = []
                     for f in futures:
@@ -235,7 +235,8 @@ class Executor:
         return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
 
     def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
-             ahead: _ReadAhead | None = None, k: int = 0) -> None:
+             ahead: _ReadAhead | None = None, k: int = 0, *, around: bool = False) -> None:
+        """Do one physical read; ``around``: it goes around the page cache (``_around_cache``)."""
         if ahead is not None:
             ahead.starting(k)
         reader = readers.get(read.file)
@@ -251,16 +252,7 @@ class Executor:
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
-            if self._around_cache(read) and getattr(reader, "direct", False):
-                hasher = ChunkHasher(self.chunk_size) if verify else None
-                try:
-                    _read_direct(reader, read, segments, hasher)
-                except ShardfmtError as e:
-                    raise type(e)(f"{read.file}: reading bytes [{start}, {end}) failed: {e}") from None
-                if hasher is not None:
-                    self._verify(read, hasher.finish())
-                return
-            self._read(reader, read, segments, verify)
+            self._read(reader, read, segments, verify, around=around)
             return
         buf = self._bounce(end - start)
         self._read(reader, read, [byte_view(buf)], verify)
@@ -284,11 +276,16 @@ class Executor:
             buf = self._local.buf = torch.empty(n, dtype=torch.uint8)
         return buf[:n]
 
-    def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool) -> None:
-        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands."""
+    def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool, *,
+              around: bool = False) -> None:
+        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands
+        (``around``: through ``_read_direct``)."""
         hasher = ChunkHasher(self.chunk_size) if verify else None
         pos = read.byte_range.start
         try:
+            if around:
+                _read_direct(reader, read, segments, hasher)
+                segments = []
             if self.storage.object_store:  # a request is a round trip: one GET for the whole read
                 reader.readinto(pos, segments)
                 if hasher is not None:

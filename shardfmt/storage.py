@@ -162,7 +162,7 @@ def _sync_file_range(fd: int, offset: int, nbytes: int) -> None:
 
 
 def direct_io_enabled() -> bool:
-    """Whether large durable writes may bypass the page cache (``SHARDFMT_DIRECT_IO=0`` turns it off)."""
+    """Whether large transfers may go around the page cache (``SHARDFMT_DIRECT_IO=0`` turns it off)."""
     return hasattr(os, "O_DIRECT") and os.environ.get("SHARDFMT_DIRECT_IO", "1") != "0"
 
 
@@ -232,8 +232,7 @@ class _LocalWriter:
         self._stats.add_write(total)
 
     def start_writeback(self, offset: int, nbytes: int) -> None:
-        if not self._direct:
-            _sync_file_range(self._fd, offset, nbytes)
+        _sync_file_range(self._fd, offset, nbytes)
 
     def open_direct(self) -> bool:
         """Open a second handle on the file with ``O_DIRECT``: blocks written through

@@ -160,9 +160,9 @@ def write_shard_file(
     With ``workers > 1`` on a storage with positional writes, and every shard's memory
     contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
     threads write and hash independently, straight from tensor memory. A durable write
-    (``sync``) of a file larger than a part goes around the page cache where the storage
-    can (``O_DIRECT``, on ``aligned.MIN_THREADS`` threads at least). Otherwise the file is streamed in order,
-    hashing each piece on a helper thread while the OS writes it.
+    (``sync``) of a file larger than a part goes around the page cache where the storage can
+    (``O_DIRECT``, on ``aligned.MIN_THREADS`` threads at least). Otherwise the file is
+    streamed in order, hashing each piece on a helper thread while the OS writes it.
     """
     if part_size % chunk_size or part_size <= 0:
         raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
@@ -386,11 +386,10 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
     """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads.
 
     ``direct``: ``w`` has an ``O_DIRECT`` handle and ``part_size`` is a multiple of
-    ``DIRECT_ALIGN`` (only the file's last block is padded). The parts are then written in aligned blocks
-    (``storage.DIRECT_ALIGN``): straight from the tensors' memory where it is aligned alike,
-    else gathered into a reused page-aligned bounce buffer per thread (a memcpy at memory speed,
-    instead of the kernel's copy into page-cache pages it must first allocate). The last
-    block is padded, and the file trimmed to its size.
+    ``DIRECT_ALIGN``. The parts are then written in aligned blocks: straight from the tensors'
+    memory where it is aligned alike, else gathered into a reused page-aligned bounce buffer per
+    thread (a memcpy at memory speed, instead of the kernel's copy into page-cache pages it must
+    first allocate). Only the file's last block is padded; the file is then trimmed to its size.
     """
     starts = [off for off, _, _ in segments]
     bounce_size = aligned.bounce_size(file_size, cap=aligned.MAX_BLOCK)

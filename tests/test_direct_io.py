@@ -28,10 +28,12 @@ def _shards():
 
 
 class _Opens:
-    """Record the fds opened with O_DIRECT; optionally refuse such opens as a filesystem would."""
+    """Record the fds opened with O_DIRECT (``read_fds``: those for reading only); optionally
+    refuse such opens as a filesystem would."""
 
     def __init__(self, monkeypatch, *, refuse: bool = False) -> None:
         self.direct_fds: list[int] = []
+        self.read_fds: list[int] = []
         real = os.open
 
         def spy(path, flags, *a, **k):
@@ -40,6 +42,8 @@ class _Opens:
                     raise OSError(errno.EINVAL, "Invalid argument", path)
                 fd = real(path, flags, *a, **k)
                 self.direct_fds.append(fd)
+                if not flags & (os.O_WRONLY | os.O_RDWR):
+                    self.read_fds.append(fd)
                 return fd
             return real(path, flags, *a, **k)
 
@@ -172,18 +176,9 @@ class _DirectReads:
     """Count the O_DIRECT read handles opened and the bytes read through them."""
 
     def __init__(self, monkeypatch, *, refuse_open: bool = False, refuse_read: bool = False) -> None:
-        self.fds: list[int] = []
+        self.fds = _Opens(monkeypatch, refuse=refuse_open).read_fds
         self.bytes = 0
-        real_open, real_preadv = os.open, os.preadv
-
-        def spy_open(path, flags, *a, **k):
-            if flags & os.O_DIRECT and not flags & (os.O_WRONLY | os.O_RDWR):
-                if refuse_open:
-                    raise OSError(errno.EINVAL, "Invalid argument", path)
-                fd = real_open(path, flags, *a, **k)
-                self.fds.append(fd)
-                return fd
-            return real_open(path, flags, *a, **k)
+        real_preadv = os.preadv
 
         def spy_preadv(fd, bufs, offset, *a):
             if fd in self.fds:
@@ -194,7 +189,6 @@ class _DirectReads:
                 return n
             return real_preadv(fd, bufs, offset, *a)
 
-        monkeypatch.setattr(os, "open", spy_open)
         monkeypatch.setattr(os, "preadv", spy_preadv)
 
 
