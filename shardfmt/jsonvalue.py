@@ -141,14 +141,34 @@ def _b64(text: Any, where: str) -> bytes:
         raise EncodingError(f"{where}: invalid base64 payload ({e})") from None
 
 
+_NP_DTYPE_RE = re.compile(r"[<>|=]?[biufc][0-9]{1,2}")  # numpy's ``dtype.str`` of a numeric dtype
+_MAX_NP_BYTES = 1 << 62  # an array's bytes, empty dims counted as 1 (numpy's own limit is lower)
+
+
 def _np_dtype(text: Any, where: str) -> np.dtype:
-    try:
-        dt = np.dtype(text) if isinstance(text, str) else None
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind not in _NP_KINDS:
-        raise EncodingError(f"{where}: unsupported numpy dtype {text!r}")
+    """The numpy dtype of a stored ``dtype`` string: only the ``dtype.str`` form of a bool, integer,
+    float or complex dtype (``<f4``, ``|b1``) reaches numpy, which raises on other strings in ways
+    of its own (``"(-1,)i4"``: ValueError) and parses sub-array and structured ones."""
+    dt = None
+    if isinstance(text, str) and _NP_DTYPE_RE.fullmatch(text):
+        try:
+            dt = np.dtype(text)
+        except (TypeError, ValueError):  # e.g. "<f16" where the platform has no float128
+            dt = None
+    if dt is None or dt.kind not in _NP_KINDS or dt.subdtype is not None:
+        raise EncodingError(f"{where}: unsupported numpy dtype {str(text)[:40]!r}")
     return dt
+
+
+def _np_shape(shape: Any, itemsize: int, where: str) -> list[int]:
+    """A stored ``$ndarray`` shape: at most 64 dims, each in [0, 2^48), and an array numpy can
+    describe even when it is empty (``[0, 2^47, 2^47]`` holds no bytes but numpy refuses it)."""
+    if not isinstance(shape, list) or len(shape) > 64 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape):
+        raise EncodingError(f"{where}: bad $ndarray shape {str(shape)[:80]}")
+    if math.prod(max(s, 1) for s in shape) * itemsize > _MAX_NP_BYTES:
+        raise EncodingError(f"{where}: $ndarray shape {shape} is too large to describe")
+    return shape
 
 
 def _decode_tag(tag: str, body: Any, where: str) -> Any:
@@ -181,10 +201,7 @@ def _decode_tag(tag: str, body: Any, where: str) -> Any:
         if not isinstance(body, dict) or set(body) != {"dtype", "shape", "data"}:
             raise EncodingError(f"{where}: $ndarray needs dtype, shape and data")
         dt = _np_dtype(body["dtype"], where)
-        shape = body["shape"]
-        if not isinstance(shape, list) or len(shape) > 64 or not all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 48 for s in shape):
-            raise EncodingError(f"{where}: bad $ndarray shape {shape!r}")
+        shape = _np_shape(body["shape"], dt.itemsize, where)
         raw = _b64(body["data"], where)
         if len(raw) != math.prod(shape) * dt.itemsize:
             raise EncodingError(f"{where}: $ndarray data is {len(raw)} bytes, shape {shape} needs "
