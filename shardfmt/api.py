@@ -28,7 +28,15 @@ from reshard.planner import (
 
 from . import hashing, jsonvalue
 from .dtypes import dtype_code, torch_dtype
-from .errors import DTypeError, MissingKeyError, ShapeError, ShardfmtError, StateDictError
+from .errors import (
+    DTypeError,
+    IntegrityError,
+    ManifestError,
+    MissingKeyError,
+    ShapeError,
+    ShardfmtError,
+    StateDictError,
+)
 from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
 from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, check_settable, flatten, set_leaf
@@ -312,8 +320,9 @@ def load(
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
     # through a bounce buffer: cast and strided targets, and targets sharing memory (tied
     # weights): bytes read straight into shared memory could be overwritten before they are hashed
-    bounce = frozenset(t.index for t in targets
-                       if dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index])) \
+    # (a view's buffer, still a placeholder, will be a fresh contiguous tensor: read in place)
+    bounce = frozenset(t.index for t in targets if not dsts[t.index].is_meta and (
+                       dsts[t.index].dtype != src_dtypes[t.index] or not is_direct(dsts[t.index]))) \
         | _sharing_memory([dsts[t.index] for t in targets], [t.index for t in targets])
     if max_gap is None:
         max_gap = ckpt.storage.max_gap  # larger where a request costs a round trip (object stores)
@@ -321,6 +330,7 @@ def load(
     plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce,
                      max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size, workers=workers,
                                                        object_store=ckpt.storage.object_store))
+    _allocate_view_buffers(ckpt, plan, targets, dsts)
     before = ckpt.storage.stats.snapshot()
     if verify:
         check_headers(ckpt.storage, ckpt.path, m, plan.shards)
@@ -388,12 +398,38 @@ def _plan_view(fqn, rec, m: Manifest, dst, box: Box, targets, dsts, src_dtypes, 
     lo = view.storage_offset
     extent = 1 + sum((n - 1) * s for n, s in zip(rec.shape, view.stride)) if dst.numel() else 0
     src_dtype = torch_dtype(rec.dtype, what=fqn)
-    buf = torch.empty(extent, dtype=src_dtype)
+    buf = torch.empty(extent, dtype=src_dtype, device="meta")  # allocated once the plan proves it is stored
     if extent:
         targets.append(TargetSlice(index=len(dsts), fqn=view.base, box=Box((lo,), (extent,))))
     dsts.append(buf)
     src_dtypes.append(src_dtype)
     posts.append(_Post(leaf=fqn, dst=dst, buf_index=len(dsts) - 1, lo=0, shape=rec.shape, stride=view.stride))
+
+
+def _allocate_view_buffers(ckpt, plan, targets: list[TargetSlice], dsts: list[torch.Tensor]) -> None:
+    """Give each view's buffer (a meta placeholder until now) its memory, once the manifest is
+    shown to hold that many bytes: its span is covered by shards (the plan checked), those shards
+    claim no more bytes of a file than its data section has (no two share bytes), and the files hold the sizes
+    the manifest records. A view's strides are the checkpoint's numbers: without this a 4-element
+    view with a stride of 2^39 allocated terabytes before the load found the span unsaved."""
+    deferred = [i for i, t in enumerate(dsts) if t.is_meta]
+    if not deferred:
+        return
+    m = ckpt.manifest
+    bases = {t.fqn for t in targets if dsts[t.index].is_meta}
+    claimed: dict[str, int] = {}
+    for fqn, shard in plan.shards:
+        claimed[shard.file] = claimed.get(shard.file, 0) + shard.byte_range[1] - shard.byte_range[0]
+        frec = m.files[shard.file]
+        if claimed[shard.file] > frec.size - frec.header_size:
+            raise ManifestError(f"{ckpt.path}: {shard.file}: the shards read from it claim more bytes than the "
+                                f"{frec.size - frec.header_size} after its header (shards share bytes; tensor {fqn!r})")
+    for name in sorted({shard.file for fqn, shard in plan.shards if fqn in bases}):
+        size = ckpt.storage.size(ckpt.storage.join(ckpt.path, name))
+        if size != m.files[name].size:
+            raise IntegrityError(f"{name}: file is {size} bytes, manifest says {m.files[name].size}")
+    for i in deferred:
+        dsts[i] = torch.empty(dsts[i].shape, dtype=dsts[i].dtype)
 
 
 _SKIP = object()

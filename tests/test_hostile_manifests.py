@@ -62,3 +62,51 @@ def test_restore_falls_back_past_a_checkpoint_whose_metadata_numpy_refuses(tmp_p
     fresh = torch.nn.Linear(3, 2)
     with pytest.warns(UserWarning, match="unusable"):
         assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 1
+
+
+# ----------------------------------------------------------------------------- 2. view extents
+
+
+@pytest.fixture
+def views(tmp_path):
+    path = str(tmp_path / "views")
+    base = torch.arange(20, dtype=torch.float32)
+    shardfmt.save({"a": base[0:8].view(2, 4), "b": base[4:20].view(4, 4)}, path)
+    return path, base
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_view_stride_cannot_make_load_allocate_what_the_checkpoint_does_not_hold(views, verify):
+    """A 2x4 view whose stride reaches 2^39 elements into a storage declared that long: the span is
+    not stored, and nothing that large may be allocated before the load finds that out."""
+    path, _ = views
+
+    def mutate(o):
+        o["storages"][".storage.a"]["shape"] = [1 << 40]
+        o["tensors"]["a"]["view"]["stride"] = [1 << 39, 1]
+    recommit(path, mutate)
+    with deadline(20, "load"), pytest.raises(shardfmt.PlanError, match="do not cover"):
+        shardfmt.load({"a": torch.zeros(2, 4)}, path, verify=verify)
+
+
+def test_views_whose_shards_share_bytes_are_refused_before_allocating(views):
+    """Without verification no header is read: shards that claim more bytes of a file than it has
+    (here the same bytes twice, to cover a storage twice as long) are refused from the manifest."""
+    path, _ = views
+
+    def mutate(o):
+        st = o["storages"][".storage.a"]
+        first = st["shards"][0]
+        st["shape"] = [40]
+        st["shards"].append(dict(first, offsets=[20], key=".storage.a@20"))
+        o["tensors"]["a"]["view"]["stride"] = [32, 1]  # reaches element 35: both copies
+    recommit(path, mutate)
+    with pytest.raises(shardfmt.ManifestError, match="share bytes"):
+        shardfmt.load({"a": torch.zeros(2, 4)}, path, verify=False)
+
+
+def test_honest_views_still_load(views):
+    path, base = views
+    out = {"a": torch.zeros(2, 4), "b": torch.zeros(4, 4)}
+    shardfmt.load(out, path)
+    assert torch.equal(out["a"], base[0:8].view(2, 4)) and torch.equal(out["b"], base[4:20].view(4, 4))
