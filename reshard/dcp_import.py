@@ -60,7 +60,8 @@ from shardfmt.writer import CheckpointWriter, ShardData
 
 from .convert import refuse_overlap
 from .dcp_metadata import DcpLocation, DcpMetadata, parse_metadata
-from .geometry import Box, tiling_problems
+from .geometry import Box
+from .tiling import tiling_problems
 from .topology import MAX_WORLD
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # decoded tensor bytes held at once (one part of a rank's file)

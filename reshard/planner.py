@@ -34,8 +34,8 @@ from .geometry import (
     is_run,
     row_major_strides,
     split_block,
-    tiling_problems,
 )
+from .tiling import tiling_problems
 
 DEFAULT_MAX_GAP = 1 << 20  # local disk: reading 1 MiB of gap beats a second request
 DEFAULT_MAX_READ = 64 << 20

@@ -306,8 +306,10 @@ def _obj(v: Any, where: str) -> dict:
 
 
 def _list(v: Any, where: str, *, max_len: int = 1 << 31) -> list:
-    if not isinstance(v, list) or len(v) > max_len:
+    if not isinstance(v, list):
         raise _fail(where, f"expected a list, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise _fail(where, f"a list of {len(v)} entries, at most {max_len} allowed")
     return v
 
 

@@ -666,7 +666,8 @@ class CheckpointWriter:
     # -- 4) commit
     def build_manifest(self, *, step: int | None = None, metadata: Any = None,
                        topology: Topology | None = None) -> Manifest:
-        from reshard.geometry import Box, tiling_problems
+        from reshard.geometry import Box
+        from reshard.tiling import tiling_problems
 
         tensors: dict[str, TensorRecord] = {}
         storages: dict[str, TensorRecord] = {}
