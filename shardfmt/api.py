@@ -148,8 +148,11 @@ def save(
     tensors and values, ``PerRank`` values. Every rank writes its own file in parallel,
     replicated data is written once, and rank 0 commits after every rank succeeded
     (see ``shardfmt.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
-    the job's layout in the manifest; ``timeout`` bounds every collective;
-    ``check_replicas`` verifies that replicated tensors and values agree across ranks.
+    the job's layout in the manifest; ``timeout`` bounds every collective. Every rank must
+    save the same ``step`` to the same place (else every rank raises StateDictError before
+    anything is staged). A replicated value that differs across ranks is saved as the lowest
+    rank's copy with a warning on rank 0 (wrap per-rank state in ``PerRank``);
+    ``check_replicas`` makes that an error, and verifies that replicated tensors agree too.
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel.
     """

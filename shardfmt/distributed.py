@@ -4,14 +4,20 @@ Protocol (every rank of the group calls ``save`` with its own state dict)::
 
     1) every rank flattens its state and describes what it holds (JSON): tensor boxes
        (DTensor placements are read off the DTensor), values, per-rank values, aliases
-    2) all-gather of the descriptions, as bytes on a gloo control group (never pickle)
-    3) every rank computes the same write plan: each distinct (tensor, box) is written
+    2) the ranks agree on what they save, with one all-reduce of a fixed-size int64 vector
+       (the same shape on every rank, whatever it holds): the step, a digest of the
+       destination (``storage.url``), and the digests of the replicated values summed into
+       buckets by name. A step or destination that differs across ranks: every rank raises
+       before anything is staged. A replicated value that differs (only the lowest rank's
+       copy is kept): rank 0 warns, or with ``check_replicas`` every rank raises
+    3) all-gather of the descriptions, as bytes on a gloo control group (never pickle)
+    4) every rank computes the same write plan: each distinct (tensor, box) is written
        exactly once, by one of its holders, largest boxes first, to the holder with the
        fewest bytes so far (ties: lowest rank)
-    4) rank 0 checks the destination and stages the temp dir; broadcasts the outcome
-    5) every rank streams its file into the staging dir; all-gather of the outcomes
-    6) rank 0 builds the manifest and publishes (the commit protocol); broadcasts it
-    7) every rank returns the manifest, or raises the same error naming the failed rank
+    5) rank 0 checks the destination and stages the temp dir; broadcasts the outcome
+    6) every rank streams its file into the staging dir; all-gather of the outcomes
+    7) rank 0 builds the manifest and publishes (the commit protocol); broadcasts it
+    8) every rank returns the manifest, or raises the same error naming the failed rank
 
 Any failure at any step — on any rank — means nothing is committed and every rank raises.
 Collectives run on a gloo group created with the caller's ``timeout``, so a dead or
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +36,7 @@ from typing import Any
 import orjson
 import torch
 import torch.distributed as dist
+import xxhash
 
 from reshard.geometry import Box
 from reshard.topology import Layout, Replicate, Shard, StridedShard, held_boxes
@@ -278,6 +286,102 @@ def _torch_dtype(code: str) -> torch.dtype:
     return torch_dtype(code)
 
 
+# --------------------------------------------------------------------------- agreeing on what is saved
+
+AGREE_BUCKETS = 256  # replicated-value digests are summed into this many buckets (collisions widen the list)
+_MOD = 1 << 62  # digests and their sums stay in [0, 2^62): negated, they still fit an int64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Agreement:
+    """What the agreement all-reduce (step 2) tells every rank; identical on every rank.
+
+    Each pair is the (lowest, highest) value the ranks put in that slot."""
+
+    failed: bool  # a rank could not describe its state or step: the gather names it
+    steps: tuple[int, int]  # -1 stands for None
+    places: tuple[int, int]  # digests of the destinations the storages resolve
+    differing: frozenset[int]  # buckets whose replicated values differ across ranks
+
+    @classmethod
+    def from_reduced(cls, vector: torch.Tensor) -> Agreement:
+        """Read the MAX-reduced ``agreement_vector``s: highest values first, then negated lowest."""
+        n = vector.numel() // 2
+        hi, lo = vector[:n].tolist(), [-v for v in vector[n:].tolist()]
+        return cls(failed=hi[0] > 0, steps=(lo[1], hi[1]), places=(lo[2], hi[2]),
+                   differing=frozenset(b for b in range(AGREE_BUCKETS) if lo[3 + b] != hi[3 + b]))
+
+
+def _digest62(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data) % _MOD
+
+
+def value_bucket(fqn: str) -> int:
+    """The bucket of a replicated value: by name only, so it is the same bucket on every rank."""
+    return xxhash.xxh3_64_intdigest(fqn.encode()) % AGREE_BUCKETS
+
+
+def agreement_vector(*, failed: bool, step: int | None, url: str, values: Mapping[str, Any]) -> torch.Tensor:
+    """This rank's side of step 2 (pure): ``[failed, step, place, bucket sums...]`` followed by
+    its negation, so that one MAX all-reduce yields every slot's highest and lowest value.
+
+    ``values`` are the replicated values, already typed JSON; each adds the digest of its
+    canonical ``[name, value]`` bytes to its bucket (mod 2^62)."""
+    x = [0] * (3 + AGREE_BUCKETS)
+    if failed:
+        x[0] = 1
+    else:
+        x[1] = -1 if step is None else step
+        x[2] = _digest62(url.encode())
+        for fqn, v in values.items():
+            i = 3 + value_bucket(fqn)
+            x[i] = (x[i] + _digest62(orjson.dumps([fqn, v], option=orjson.OPT_SORT_KEYS))) % _MOD
+    t = torch.tensor(x, dtype=torch.int64)
+    return torch.cat([t, -t])
+
+
+def agree(vector: torch.Tensor, group) -> Agreement:
+    """All-reduce the ranks' agreement vectors (one collective of a fixed size)."""
+    dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=group)
+    return Agreement.from_reduced(vector)
+
+
+def check_agreement(a: Agreement, *, rank: int, step: int | None, url: str, values: Mapping[str, Any],
+                    check_replicas: bool) -> None:
+    """Raise on every rank when the ranks save different steps or to different places; warn
+    on rank 0 (raise everywhere with ``check_replicas``) when replicated values differ."""
+    if a.failed:
+        return  # a rank's own error is told to every rank by the gather that follows
+    problems = []
+    if a.steps[0] != a.steps[1]:
+        lo, hi = (None if s < 0 else s for s in a.steps)
+        problems.append(f"ranks save different steps (lowest {lo}, highest {hi})")
+    if a.places[0] != a.places[1]:
+        problems.append("ranks save to different locations")
+    if problems:
+        raise StateDictError(f"this rank saves step {step} to {url}, but {' and '.join(problems)}: every rank "
+                             "must save the same step to the same path; nothing was committed")
+    if not a.differing:
+        return
+    named: dict[int, list[str]] = {}  # differing bucket -> this rank's values in it
+    for f in values:
+        if (b := value_bucket(f)) in a.differing:
+            named.setdefault(b, []).append(f)
+    parts = [", ".join(sorted(f for fs in named.values() for f in fs))] if named else []
+    if len(named) < len(a.differing):
+        parts.append(f"a value that rank {rank} does not hold")
+    what = f"replicated values differ across ranks: {'; and '.join(parts)}"
+    if any(len(fs) > 1 for fs in named.values()):
+        what += " (a name may be listed only for sharing a digest bucket with one that differs)"
+    if check_replicas:
+        raise StateDictError(f"{url}: {what} (check_replicas=True; wrap per-rank values in "
+                             "shardfmt.PerRank); nothing was committed")
+    if rank == 0:
+        warnings.warn(f"{url}: {what}; only the lowest rank's copy of each is saved, and every rank loads "
+                      "that copy back. Wrap per-rank state (a data loader's position, ...) in shardfmt.PerRank",
+                      stacklevel=2)
+
+
 # --------------------------------------------------------------------------- save
 
 
@@ -360,7 +464,7 @@ class Prepared:
 
 
 def prepare(state_dict: dict, rank: int) -> Prepared:
-    """Describe ``state_dict`` on the caller's thread (steps 1 of the protocol)."""
+    """Describe ``state_dict`` on the caller's thread (step 1 of the protocol)."""
     try:
         held, desc, _ = describe(state_dict, rank)
         return Prepared(rank, held, {"ok": True, **desc})
@@ -402,7 +506,7 @@ def run_save(
     _on_step=None,
     _snapshot: Callable[[], Prepared] | None = None,
 ):
-    """Steps 2-7 of the protocol on ``group`` (None: a world of one, no collectives).
+    """Steps 2-8 of the protocol on ``group`` (None: a world of one, no collectives).
 
     ``_snapshot`` (async saves) returns the tensors to write, as ``prepared`` over other
     tensors; it is called only once the plan is agreed and the checkpoint staged, so that
@@ -415,7 +519,6 @@ def run_save(
     if storage is None:
         storage, path = get_storage(path, storage_options)
 
-    # 1-2) gather the descriptions
     payload = prepared.desc
     try:
         check_step(step)  # before any data moves
@@ -424,6 +527,16 @@ def run_save(
             raise
         if payload.get("ok"):
             payload = _err_payload(rank, e)
+
+    # 2) agree on the step, the destination and the replicated values (before anything is staged)
+    if group is not None:
+        url = storage.url(path)
+        values = payload.get("values", {})
+        vector = agreement_vector(failed=not payload.get("ok"), step=step, url=url, values=values)
+        agreement = _collective(lambda: agree(vector, group), "agreeing on the step and path", rank)
+        check_agreement(agreement, rank=rank, step=step, url=url, values=values, check_replicas=check_replicas)
+
+    # 3) gather the descriptions
     if check_replicas and _snapshot is not None and payload.get("ok"):  # the digests need the data
         try:
             prepared, _snapshot = _snapshot(), None
@@ -440,11 +553,11 @@ def run_save(
     if check_replicas:
         _check_replicas(descs)
 
-    # 3) the write plan, identical on every rank
+    # 4) the write plan, identical on every rank
     writers = assign_writers(descs)
     storage_names = {t["fqn"] for d in descs for t in d["tensors"] if t.get("storage")}
 
-    # 4) rank 0 stages
+    # 5) rank 0 stages
     writer = None
     if rank == 0:
         try:
@@ -464,7 +577,7 @@ def run_save(
     status = orjson.loads(_collective(lambda: _bcast(blob, group), "staging", rank))
     _raise_from([status], "staging the checkpoint")
 
-    # 5) every rank writes its file
+    # 6) every rank writes its file
     try:
         if _snapshot is not None:
             prepared = _snapshot()
@@ -507,7 +620,7 @@ def run_save(
             writer.abort()
         _raise_from(results, "writing shard files")
 
-    # 6) rank 0 commits
+    # 7) rank 0 commits
     if rank == 0:
         try:
             meta = {t["fqn"]: (t["dtype"], tuple(t["shape"]), _placement_from_json(t["placement"]))
@@ -547,6 +660,7 @@ def _digest_tensor(t: torch.Tensor) -> str:
 
 
 def _check_replicas(descs: list[dict]) -> None:
+    """Replicated tensor pieces must hold the same bytes on every rank (values: step 2)."""
     ref: dict[str, tuple[int, str]] = {}
     for d in descs:
         for fqn, digest in d.get("replica_digests", {}).items():
@@ -554,13 +668,6 @@ def _check_replicas(descs: list[dict]) -> None:
                 raise StateDictError(f"{fqn}: replicated data differs between rank {ref[fqn][0]} and "
                                      f"rank {d['rank']} (check_replicas=True)")
             ref.setdefault(fqn, (d["rank"], digest))
-        for fqn, v in d["values"].items():
-            key = "value:" + fqn
-            enc = orjson.dumps(v, option=orjson.OPT_SORT_KEYS).decode()
-            if key in ref and ref[key][1] != enc:
-                raise StateDictError(f"{fqn}: replicated value differs between rank {ref[key][0]} and "
-                                     f"rank {d['rank']} (check_replicas=True; wrap per-rank values in PerRank)")
-            ref.setdefault(key, (d["rank"], enc))
 
 
 def _ordered(shards: list[ShardData]) -> list[ShardData]:

@@ -266,3 +266,79 @@ def test_async_save_under_two_ranks_is_isolated_and_uses_its_own_group(tmp_path)
     later = {"w": torch.empty(64, 16)}
     shardfmt.load(later, path + "_d", strict=False)
     assert torch.equal(later["w"], torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16) + 20)
+
+
+@pytest.fixture(scope="module")
+def disagree(tmp_path_factory):
+    root = tmp_path_factory.mktemp("disagree")
+    out = {}
+    for mode in ("sync", "async"):
+        results = check_all_ok(launch("save_disagree", 2, {"root": str(root), "async": mode == "async"},
+                                      out_dir=str(root.parent / f"{root.name}_o_{mode}")))
+        for r, res in enumerate(results):
+            for label, outcome in res.items():
+                if label != "ok":
+                    out.setdefault(label, {})[r] = outcome
+    return root, out
+
+
+def _leftovers(root, prefix: str) -> list[str]:
+    return [n for n in os.listdir(root) if n.startswith(prefix)]
+
+
+@pytest.mark.parametrize("label,seen", [("steps", ("399", "400")), ("step_none", ("None", "7"))])
+def test_ranks_saving_different_steps_all_raise_and_commit_nothing(disagree, label, seen):
+    """Rank 0 at step 400 and rank 1 at 399 must not splice into one checkpoint."""
+    root, out = disagree
+    for r, res in out[label].items():
+        assert res["raised"] and res["raised"][0] == "StateDictError", (r, res)
+        msg = res["raised"][1]
+        assert all(s in msg for s in seen) and "step" in msg and "nothing was committed" in msg, msg
+    assert _leftovers(root, label) == [], "a save of disagreeing steps left files behind"
+
+
+def test_ranks_saving_to_different_paths_all_raise_and_commit_nothing(disagree):
+    root, out = disagree
+    for r, res in out["paths"].items():
+        assert res["raised"] and res["raised"][0] == "StateDictError", (r, res)
+        assert str(root / f"paths_{r}") in res["raised"][1] and "nothing was committed" in res["raised"][1]
+    assert _leftovers(root, "paths") == []
+
+
+def test_a_replicated_value_that_differs_across_ranks_warns_on_rank_0(disagree):
+    """{"loader": {"pos": rank}} not wrapped in PerRank comes back as rank 0's on every rank: say so."""
+    root, out = disagree
+    res = out["loader"]
+    assert res[0]["raised"] is None and res[1]["raised"] is None
+    [msg] = res[0]["warnings"]
+    assert "loader" in msg and "PerRank" in msg and "lr" not in msg and "cfg" not in msg, msg
+    assert res[1]["warnings"] == []
+    back = {"loader": None}
+    shardfmt.load(back, str(root / "loader"), strict=False)
+    assert back["loader"] == {"pos": 0, "epoch": 0}  # the lowest rank's copy, as the warning says
+    # a value only rank 1 holds: rank 0 cannot name it, but it still warns
+    assert out["only_rank1"][0]["raised"] is None and len(out["only_rank1"][0]["warnings"]) == 1
+    # check_replicas=True: the same difference is an error on every rank
+    for r, res in out["strict"].items():
+        assert res["raised"] and res["raised"][0] == "StateDictError" and "loader" in res["raised"][1], (r, res)
+    assert not os.path.exists(root / "strict")
+
+
+def test_per_rank_and_equal_replicated_values_save_without_a_warning(disagree):
+    root, out = disagree
+    for r, res in out["per_rank"].items():
+        assert res == {"raised": None, "warnings": []}, (r, res)
+    assert shardfmt.read_manifest(str(root / "per_rank")).values["loader"].per_rank == {
+        0: {"pos": 0, "epoch": 0}, 1: {"pos": 1, "epoch": 0}}
+
+
+@pytest.mark.parametrize("label", ["async_steps", "ckpt_async_steps", "ckpt_sync_steps"])
+def test_async_and_checkpointer_saves_of_different_steps_all_raise(disagree, label):
+    root, out = disagree
+    for r, res in out[label].items():
+        assert res["raised"] and res["raised"][0] == "StateDictError", (r, res)
+        assert "399" in res["raised"][1] and "400" in res["raised"][1], res
+    assert _leftovers(root, "async_steps") == []
+    for ck in ("ck_async", "ck_sync"):
+        assert shardfmt.Checkpointer(str(root / ck)).latest() is None
+        assert os.listdir(root / ck) == [], os.listdir(root / ck)

@@ -231,6 +231,56 @@ def save_errors(rank, world, args):
     return out
 
 
+@job
+def save_disagree(rank, world, args):
+    """Ranks that disagree on what they save: every rank's outcome (error or None) and warnings.
+
+    Rank 0 names paths relative to the root (its working directory), the others absolute: the
+    same location either way. ``async`` runs the async path and the Checkpointer instead."""
+    import warnings
+
+    root = args["root"]
+    os.chdir(root)
+    td = dt.timedelta(seconds=30)
+    out = {}
+
+    def here(name):
+        return name if rank == 0 else os.path.join(root, name)
+
+    def attempt(label, run):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                run()
+                raised = None
+            except shardfmt.ShardfmtError as e:
+                raised = [type(e).__name__, str(e)]
+        out[label] = {"raised": raised, "warnings": [str(w.message) for w in caught]}
+
+    state = {"w": shardfmt.ShardedTensor(torch.full((4,), float(rank)), (4 * world,), (4 * rank,)),
+             "norm": torch.ones(3), "lr": 0.1, "cfg": {"layers": [1, 2], "name": "x"}}
+    if args.get("async"):
+        ck = shardfmt.Checkpointer(here("ck_async"), timeout=td)
+        attempt("async_steps", lambda: shardfmt.async_save(state, here("async_steps"), step=400 - rank,
+                                                           stager=shardfmt.Stager(), timeout=td).wait())
+        rows = {"rows": RowShard(rank, world, 1)}
+        attempt("ckpt_async_steps", lambda: ck.save(400 - rank, rows, async_=True).wait())
+        attempt("ckpt_sync_steps", lambda: shardfmt.Checkpointer(here("ck_sync"), timeout=td).save(400 - rank, rows))
+        return out
+    attempt("steps", lambda: shardfmt.save(state, here("steps"), step=400 - rank, timeout=td))
+    attempt("step_none", lambda: shardfmt.save(state, here("step_none"), step=None if rank else 7, timeout=td))
+    attempt("paths", lambda: shardfmt.save(state, here(f"paths_{rank}"), step=1, timeout=td))
+    attempt("loader", lambda: shardfmt.save({**state, "loader": {"pos": rank, "epoch": 0}}, here("loader"),
+                                            step=1, timeout=td))
+    attempt("per_rank", lambda: shardfmt.save({**state, "loader": shardfmt.PerRank({"pos": rank, "epoch": 0})},
+                                              here("per_rank"), step=1, timeout=td))
+    attempt("only_rank1", lambda: shardfmt.save({**state, **({"extra": 5} if rank else {})}, here("only_rank1"),
+                                                step=1, timeout=td))
+    attempt("strict", lambda: shardfmt.save({**state, "loader": {"pos": rank}}, here("strict"), step=1,
+                                            timeout=td, check_replicas=True))
+    return out
+
+
 def _train_state(seed=0):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
