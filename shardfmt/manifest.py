@@ -469,12 +469,21 @@ def _parse_topology(v: Any, where: str) -> Topology:
         raise _fail(where, f"mesh {mesh} does not multiply to world_size {ws}")
     if len({n for n, _ in mesh}) != len(mesh):
         raise _fail(where + ".mesh", "duplicate mesh dim names")
-    topo = Topology(world_size=ws, mesh=tuple(mesh))
     ranks = _list(o["ranks"], where + ".ranks", max_len=1 << 24)
-    want = [list(topo.coords(r)) for r in range(ws)] if mesh else []
-    if ranks != want:
-        raise _fail(where + ".ranks", "rank coordinates must list every rank's row-major mesh coordinates")
-    return topo
+    if len(ranks) != (ws if mesh else 0):  # a count first: world_size is only what the manifest claims
+        raise _fail(where + ".ranks", f"lists {len(ranks)} ranks, the mesh has {ws if mesh else 0} "
+                    "(every rank's row-major mesh coordinates, or [] with no mesh)")
+    sizes = [s for _, s in mesh]
+    coords = [0] * len(sizes)
+    for r, got in enumerate(ranks):  # the rank's coordinates, counted up like an odometer
+        if got != coords:
+            raise _fail(f"{where}.ranks[{r}]", f"{str(got)[:80]} is not rank {r}'s row-major mesh coordinates {coords}")
+        for d in reversed(range(len(sizes))):
+            coords[d] += 1
+            if coords[d] < sizes[d]:
+                break
+            coords[d] = 0
+    return Topology(world_size=ws, mesh=tuple(mesh))
 
 
 def _parse_value(v: Any, where: str) -> ValueRecord:

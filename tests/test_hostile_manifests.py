@@ -15,10 +15,9 @@ import orjson
 import pytest
 import torch
 from deadline import deadline
-from test_bad_input import recommit, write_manifest
+from test_bad_input import recommit
 
 import shardfmt
-from shardfmt import hashing
 
 
 def _bad_ndarray(dtype: str = "(-1,)i4", shape=(1,)) -> dict:
@@ -166,3 +165,32 @@ def test_the_schema_pass_sees_a_bounded_sample_of_a_conforming_manifest(small):
     t = time.perf_counter()
     assert shardfmt.validate(small).ok
     assert time.perf_counter() - t < 10
+
+
+# ----------------------------------------------------------------------------- 7. claimed counts
+
+
+def test_a_claimed_world_size_is_checked_by_count_before_anything_is_built(small):
+    """A 1 KB manifest declaring 2^24 ranks (and listing one): refused at once, in constant
+    memory (before: 2.2 GB of rank coordinates were built, a minute, then the refusal)."""
+    recommit(small, lambda o: o["topology"].update(world_size=1 << 24, mesh=[{"name": "world", "size": 1 << 24}],
+                                                   ranks=[[0]]))
+    script = (f"import resource, shardfmt, torch\n"
+              f"try:\n    shardfmt.load({{'w': torch.zeros(3, 4)}}, {small!r})\n"
+              f"except shardfmt.ManifestError as e:\n    print('refused:', e)\n"
+              f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n")
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert lines and lines[0].startswith("refused:") and "lists 1 ranks, the mesh has 16777216" in lines[0], out
+    assert int(lines[-1]) < 1024, f"peak RSS {lines[-1]} MiB"  # torch itself: ~400 MiB
+    assert time.perf_counter() - t < 60
+
+
+def test_rank_coordinates_are_checked_entry_by_entry(small):
+    def mutate(o):
+        o["topology"] = {"world_size": 6, "mesh": [{"name": "dp", "size": 2}, {"name": "tp", "size": 3}],
+                         "ranks": [[0, 0], [0, 1], [0, 2], [1, 0], [1, 2], [1, 1]]}
+    recommit(small, mutate)
+    with pytest.raises(shardfmt.ManifestError, match=r"ranks\[4\]: \[1, 2\] is not rank 4's"):
+        shardfmt.load({"w": torch.zeros(3, 4)}, small)
