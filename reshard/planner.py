@@ -8,7 +8,18 @@ reads: adjacent spans merge when the gap is at most ``max_gap``; a read never gr
 ``max_read`` bytes by merging. With ``verify=True`` each read is rounded out to whole hash
 chunks so every chunk it touches can be checked; where the next read would start inside the
 last chunk of the previous one, the previous one ends at that chunk's start instead (copies
-straddling it are split with ``geometry.split_block``), so no chunk is read twice.
+straddling it are split with ``geometry.split_block``), so no chunk is read twice; unverified
+reads are cut the same way at the next copy's first byte.
+
+A file's spans come in two kinds: those that land in place (a contiguous run into a
+contiguous region) and those gathered through a bounce buffer (strided, cast or device
+targets), whose reads are kept to ``max_bounce_read`` bytes. The bounced reads are grouped
+first; the in-place spans are then cut at their edges: what lies inside a bounced read is
+copied out of its buffer (the bytes, or the hash chunk, it shares with the bounced read are
+not read again), the rest is grouped between the bounced reads. So no byte of a file is read
+twice in one plan, and only bytes a bounced read holds anyway are copied. The one exception:
+a copy cannot be cut inside an element, so where a chunk boundary falls inside one (a tensor
+not aligned to its element size, in a file from another writer) that chunk is read twice.
 
 The result names, for every copy, the source bytes (``src_start``/``src_end`` in the
 file, with the source box's ``src_lengths`` and row-major ``src_strides``) and where they
@@ -139,19 +150,19 @@ def plan_load(
     max_read: int = DEFAULT_MAX_READ,
     bounce: frozenset[int] = frozenset(),
     max_bounce_read: int = DEFAULT_MAX_BOUNCE_READ,
-    one_group_per_file: bool = False,
 ) -> LoadPlan:
     """Return the reads and copies that fill every target from the manifest's shards.
 
     Targets whose index is in ``bounce`` will be filled through a bounce buffer (strided,
-    cast or device targets): their reads are kept to ``max_bounce_read`` bytes so the
-    buffers stay small; the others land in place and may use ``max_read``.
+    cast or device targets), and so are strided pieces of any target: their reads are kept
+    to ``max_bounce_read`` bytes so the buffers stay small; the others land in place and
+    may use ``max_read``.
 
-    A file's bounced and in-place reads are grouped separately, so a hash chunk where the
-    two meet is read by both. ``one_group_per_file`` reads every span of a file that has a
-    bounced one through the bounce buffer too (spans are then cut to ``max_bounce_read``):
-    each chunk is read once per plan, at the cost of a copy (offline tools that want every
-    source byte read once).
+    No byte of a file is read twice in one plan (``_file_reads``): where an in-place copy
+    shares bytes, or a hash chunk, with a bounced read, that part of it is copied out of
+    the bounced read's buffer instead of being read again. The one exception is a chunk
+    boundary inside an element (a tensor not aligned to its element size, in a file from
+    another writer): a copy cannot be split there, and the chunk is read by both reads.
     """
     max_bounce_read = min(max_bounce_read, max_read)
     indexes: dict[str, _ShardIndex] = {}
@@ -187,7 +198,7 @@ def plan_load(
             # target) are gathered through a buffer too: keep those reads small
             is_bounce = (t.index in bounce or not is_run(shard.lengths, local)
                          or not is_run(t.box.lengths, inter.relative_to(t.box)))
-            cap = max_bounce_read if is_bounce or one_group_per_file else max_read
+            cap = max_bounce_read if is_bounce else max_read
             strides = row_major_strides(shard.lengths)
             base = shard.byte_range[0]
             items = per_file.setdefault((shard.file, is_bounce), [])
@@ -202,22 +213,62 @@ def plan_load(
                                       for d in range(t.box.ndim)),
                     itemsize=isz,
                 ))
-    if one_group_per_file:
-        for fname, is_bounce in list(per_file):
-            if is_bounce and (fname, False) in per_file:
-                per_file[(fname, True)].extend(per_file.pop((fname, False)))
     reads: list[PhysicalRead] = []
-    for fname, is_bounce in sorted(per_file):
-        reads.extend(_group(fname, per_file[(fname, is_bounce)], manifest, verify=verify, max_gap=max_gap,
-                            max_read=max_bounce_read if is_bounce else max_read))
+    for fname in sorted({f for f, _ in per_file}):
+        reads.extend(_file_reads(fname, per_file.get((fname, False), []), per_file.get((fname, True), []),
+                                 manifest, verify=verify, max_gap=max_gap, max_read=max_read,
+                                 max_bounce_read=max_bounce_read))
     return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify,
                     shards=tuple(used[k] for k in sorted(used)))
+
+
+def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], manifest: Manifest, *,
+                verify: bool, max_gap: int, max_read: int, max_bounce_read: int) -> list[PhysicalRead]:
+    """The reads of one file, in offset order, no two of them reading the same byte.
+
+    The bounced copies are grouped first (reads of at most ``max_bounce_read``). Each in-place
+    copy is then cut at those reads' edges (``_cut_items``): a part inside a bounced read
+    joins it (copied out of its buffer; the read does not grow), the parts between bounced
+    reads are grouped gap by gap, so an in-place read never spans a bounced one. Verified
+    bounced reads start and end on chunk boundaries, so the in-place reads' rounding to whole
+    chunks stays between them too.
+    """
+    shared = sorted(_group(fname, bounced, manifest, verify=verify, max_gap=max_gap, max_read=max_bounce_read),
+                    key=lambda r: r.byte_range.start)
+    starts = [r.byte_range.start for r in shared]
+    joined: list[list[CopyItem]] = [list(r.items) for r in shared]
+    free: list[CopyItem] = []  # in-place pieces outside every bounced read
+    for it in straight:
+        rest = [it]
+        k = max(bisect.bisect_right(starts, it.src_start) - 1, 0)
+        while rest and k < len(shared) and starts[k] < max(p.src_end for p in rest):
+            r = shared[k].byte_range
+            before = _cut_items(rest, r.start)
+            inside = _cut_items(before[1], r.end) if before is not None else None
+            if inside is None:  # the edge falls inside an element (an unaligned tensor): read it twice
+                break
+            free.extend(before[0])
+            joined[k].extend(inside[0])
+            rest = inside[1]
+            k += 1
+        free.extend(rest)
+    between: list[list[CopyItem]] = [[] for _ in range(len(shared) + 1)]  # [k]: the pieces before shared[k]
+    for piece in free:
+        between[bisect.bisect_right(starts, piece.src_start)].append(piece)
+    out = [PhysicalRead(file=fname, byte_range=r.byte_range,
+                        items=tuple(sorted(items, key=lambda i: (i.src_start, i.src_end))))
+           for r, items in zip(shared, joined)]
+    for items in between:
+        out.extend(_group(fname, items, manifest, verify=verify, max_gap=max_gap, max_read=max_read))
+    out.sort(key=lambda r: (r.byte_range.start, r.byte_range.end))
+    return out
 
 
 def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: bool,
            max_gap: int, max_read: int) -> list[PhysicalRead]:
     size = manifest.files[fname].size
     chunk = manifest.chunk_size
+    unit = chunk if verify else 1  # where reads may be cut: chunk boundaries when verified
 
     def outer(i: CopyItem) -> tuple[int, int]:
         if not verify:
@@ -245,17 +296,17 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
             cur_start, cur_end = min(s, cur_start), max(cur_end, e)
             continue
         nxt: list[CopyItem] = [it]
-        if cur and verify and s < cur_end:
-            # ``it`` shares a hash chunk with the read being closed. Cut at a chunk boundary
-            # instead, so no chunk is read (and hashed) twice: end the read at the chunk before
+        if cur and s < cur_end:
+            # ``it`` shares bytes (verified: a hash chunk) with the read being closed. Cut there
+            # instead, so no byte is read (and hashed) twice: end the read at the chunk before
             # ``it`` (what lies past it moves to the next read), or, when ``it`` starts in the
             # read's first chunk, keep the part of ``it`` inside the read and carry the rest.
-            cut = (it.src_start // chunk) * chunk
+            cut = it.src_start // unit * unit
             if cut > cur_start:
                 kept = _cut_items(cur, cut)
                 if kept is not None:
                     cur, carried = kept
-                    close(upto=cut)
+                    close(upto=max(outer(i)[1] for i in cur))
                     cur, nxt = [], carried + [it]
             else:
                 parts = _cut_items([it], cur_end)

@@ -21,9 +21,8 @@ order). This module is their one engine::
 
 Trade-offs: windows are sized in output bytes, which is what the buffer holds. Reads that
 cast or land in a strided region go through fixed bounce buffers (``MemoryPlan``), small ones
-outside the budget (in its 32 MiB slack), larger ones taken from it; a plan reads each file
-through one group (``plan_load(one_group_per_file=True)``) so a hash chunk is read once per
-window. Hash chunks at window edges and at bounced-read edges are read twice: those are the
+outside the budget (in its 32 MiB slack), larger ones taken from it; a plan reads a hash chunk
+once per window (``plan_load``). Hash chunks at window edges are read twice: those are the
 only re-reads, fewer with a larger budget. The budget is split in two slots so that the next
 window's reads overlap this window's writes, and windows are kept to ~1/16 of the data (at
 least 64 MiB) so that the unoverlapped first read and last write stay short.
@@ -454,7 +453,7 @@ def fill_window(source: Source, pieces: Sequence[Piece], window: Window, buf: to
         if dts[-1] != p.dtype:
             bounce.add(k)
     plan = plan_load(m, targets, verify=source.verify, max_gap=source.storage.max_gap, max_read=DEFAULT_MAX_READ,
-                     bounce=frozenset(bounce), max_bounce_read=buffers.mem.bounce_read, one_group_per_file=True)
+                     bounce=frozenset(bounce), max_bounce_read=buffers.mem.bounce_read)
     Executor(source.storage, source.path, m.files, chunk_size=m.chunk_size, src_dtypes=dts, targets=dsts,
              workers=buffers.mem.workers, bounce_buffers=buffers.bounce).run(plan)
 

@@ -109,3 +109,94 @@ def test_two_column_targets_of_one_tensor_read_each_chunk_once(tmp_path):
         assert plan.bytes_to_read == min(-(-hi // CHUNK) * CHUNK, m.files[shard.file].size) - lo // CHUNK * CHUNK
         spans = sorted((r.byte_range.start, r.byte_range.end) for r in plan.reads)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def _one_file(path):
+    m = shardfmt.read_manifest(path)
+    (f,) = m.files.values()
+    return f
+
+
+@pytest.mark.parametrize("bounced", ["column slice", "cast"])
+def test_in_place_and_bounced_targets_sharing_a_chunk_read_it_once(tmp_path, bounced):
+    """A bias loaded in place and a weight loaded through a bounce buffer (a column slice, or a
+    cast) share the file's one hash chunk: it is read once, the bias copied out of that read."""
+    path = str(tmp_path / "ck")
+    w, b = torch.randn(256, 256), torch.randn(256)
+    shardfmt.save({"w": w, "b": b}, path)
+    f = _one_file(path)
+    bias = torch.empty(256)
+    if bounced == "cast":
+        local = torch.empty(256, 256, dtype=torch.float64)
+        rep = shardfmt.load({"w": local, "b": bias}, path, cast=True)
+        assert torch.equal(local, w.double())
+    else:
+        local = torch.empty(256, 128)
+        rep = shardfmt.load({"w": ShardedTensor(local, (256, 256), (0, 128)), "b": bias}, path)
+        assert torch.equal(local, w[:, 128:])
+    assert torch.equal(bias, b)
+    assert rep.bytes_read <= f.size + f.header_size, f"{rep.bytes_read} bytes read from a {f.size}-byte file"
+    assert rep.read_requests == 2  # the header check, then the file's one chunk
+
+
+def _tp_checkpoint(path):
+    """A small MLP saved by a 2-rank data-parallel job: replicated, so rank 0 writes it all."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"norm.weight": torch.randn(512, generator=g), "fc1.weight": torch.randn(1024, 512, generator=g),
+          "fc1.bias": torch.randn(1024, generator=g), "fc2.weight": torch.randn(512, 1024, generator=g),
+          "fc2.bias": torch.randn(512, generator=g)}
+    w = shardfmt.CheckpointWriter(path)
+    w.write_rank(0, [shardfmt.ShardData(fqn=k, data=v, global_shape=tuple(v.shape), offsets=(0,) * v.dim())
+                     for k, v in sd.items()])
+    w.write_rank(1, [])
+    w.commit()
+    return sd
+
+
+def test_two_rank_tensor_parallel_load_reads_the_checkpoint_once_per_rank(tmp_path):
+    """Each rank of a 2-rank TP job: fc1 ColwiseParallel (rows, in place), fc2 RowwiseParallel
+    (a column slice of the weight, through a bounce buffer), norm and fc2's bias replicated.
+    The checkpoint (4 MiB, 1 MiB hash chunks) is read at most once per rank, not 1.5x."""
+    path = str(tmp_path / "ck")
+    sd = _tp_checkpoint(path)
+    f = shardfmt.read_manifest(path).files["data/rank_00000.safetensors"]
+    for r in range(2):
+        out = {"norm.weight": torch.empty(512),
+               "fc1.weight": ShardedTensor(torch.empty(512, 512), (1024, 512), (512 * r, 0)),
+               "fc1.bias": ShardedTensor(torch.empty(512), (1024,), (512 * r,)),
+               "fc2.weight": ShardedTensor(torch.empty(512, 512), (512, 1024), (0, 512 * r)),
+               "fc2.bias": torch.empty(512)}
+        rep = shardfmt.load(out, path, rank=r)
+        assert torch.equal(out["fc1.weight"].local, sd["fc1.weight"][512 * r: 512 * (r + 1)])
+        assert torch.equal(out["fc1.bias"].local, sd["fc1.bias"][512 * r: 512 * (r + 1)])
+        assert torch.equal(out["fc2.weight"].local, sd["fc2.weight"][:, 512 * r: 512 * (r + 1)])
+        assert torch.equal(out["norm.weight"], sd["norm.weight"]) and torch.equal(out["fc2.bias"], sd["fc2.bias"])
+        assert rep.bytes_read <= f.size + f.header_size, (r, rep.bytes_read, f.size)
+
+
+def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
+    """``reshard plan`` for rank 1 of tp=2: a column slice (RowwiseParallel weight) next to its
+    replicated bias in one hash chunk is one read, each source byte in it listed once."""
+    import orjson
+
+    from reshard.cli import main
+    from reshard.topology import Layout, Shard
+    from shardfmt.distributed import _layout_record
+    from shardfmt.manifest import Topology
+
+    path = str(tmp_path / "ck")
+    w = shardfmt.CheckpointWriter(path)
+    w.write_rank(0, [
+        shardfmt.ShardData(fqn="fc2.weight", data=torch.randn(256, 256), global_shape=(256, 256), offsets=(0, 0),
+                           placement=_layout_record(Layout(("tp",), (Shard(1),)))),
+        shardfmt.ShardData(fqn="fc2.bias", data=torch.randn(256), global_shape=(256,), offsets=(0,),
+                           placement=_layout_record(Layout((), ())))])
+    w.commit(topology=Topology(world_size=1, mesh=(("tp", 1),)))
+    f = _one_file(path)
+    assert main(["plan", path, "--mesh", "tp=2", "--rank", "1", "--json"]) == 0
+    out = orjson.loads(capsys.readouterr().out)
+    reads = sorted(tuple(r["byte_range"]) for r in out["reads"])
+    assert reads == [(0, f.size)], reads  # the file's one chunk, once
+    assert out["bytes_to_read"] == f.size
+    copied = sorted(tuple(c["src_bytes"]) for r in out["reads"] for c in r["copies"])
+    assert all(a[1] <= b[0] for a, b in zip(copied, copied[1:])), copied  # no source byte copied twice

@@ -141,6 +141,22 @@ def test_two_rank_save_to_s3_then_resharded_loads_read_what_they_need(server, bu
     assert shardfmt.validate(url, deep=True).ok
 
 
+def test_a_chunk_shared_by_an_in_place_and_a_bounced_target_crosses_the_wire_once(server, bucket):
+    """A column slice (through a bounce buffer) and a bias loaded in place, in one hash chunk:
+    one ranged GET of it, not one per group."""
+    url = f"{bucket}/shared/step_1"
+    w, b = torch.randn(256, 256), torch.randn(256)
+    shardfmt.save({"w": w, "b": b}, url)
+    (f,) = shardfmt.read_manifest(url).files.values()
+    local, bias = torch.empty(256, 128), torch.empty(256)
+    server.reset_stats()
+    rep = shardfmt.load({"w": shardfmt.ShardedTensor(local, (256, 256), (0, 128)), "b": bias}, url)
+    st = server.stats()
+    assert torch.equal(local, w[:, 128:]) and torch.equal(bias, b)
+    assert rep.bytes_read <= f.size + f.header_size, f"{rep.bytes_read} bytes read from a {f.size}-byte file"
+    assert st["bytes_out"] <= f.size + (64 << 10), st  # the data once, plus COMMITTED, manifest, header
+
+
 def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
     root = f"{bucket}/cli"
     shardfmt.save(_state(rows=64), f"{root}/step_000000001", step=1)

@@ -21,7 +21,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from reshard.geometry import Box, intersect
-from reshard.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
+from reshard.planner import (
+    DEFAULT_MAX_BOUNCE_READ,
+    DEFAULT_MAX_GAP,
+    DEFAULT_MAX_READ,
+    TargetSlice,
+    plan_load,
+)
 from shardfmt.dtypes import itemsize
 from shardfmt.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
 
@@ -71,7 +77,10 @@ def file_record(**fields) -> FileRecord:
 @st.composite
 def manifests(draw) -> Manifest:
     """A manifest whose shards tile their tensors and sit at consecutive byte ranges per file."""
-    chunk_size = draw(st.sampled_from([1, 3, 8, 64, 100, 4096]))
+    # aligned: every shard starts at a multiple of 8 and every chunk boundary on an element
+    # boundary (what shardfmt writes); otherwise anything goes (files from other writers)
+    aligned = draw(st.booleans())
+    chunk_size = draw(st.sampled_from([8, 64, 4096] if aligned else [1, 3, 8, 64, 100, 4096]))
     n_files = draw(st.integers(1, 3))
     names = [f"data/rank_{r:05d}.safetensors" for r in range(n_files)]
     placed: list[tuple[str, str, Box, int]] = []  # (fqn, file, box, itemsize)
@@ -85,11 +94,15 @@ def manifests(draw) -> Manifest:
             placed.append((fqn, draw(st.sampled_from(names)), box, itemsize(dtype)))
     order = draw(st.permutations(range(len(placed))))
     header = {n: draw(st.integers(8, 300)) for n in names}  # a header of any size
+    if aligned:
+        header = {n: -(-h // 8) * 8 for n, h in header.items()}
     pos = dict(header)
     shards: dict[str, list[ShardRecord]] = {f: [] for f in tensor_meta}
     for k in order:
         fqn, fname, box, isz = placed[k]
         start = pos[fname] + draw(st.sampled_from([0, 0, 0, 1, 5, 77]))  # gaps: the planner must not care
+        if aligned:
+            start = -(-start // 8) * 8
         end = start + box.numel * isz
         pos[fname] = end
         shards[fqn].append(ShardRecord(offsets=box.offsets, lengths=box.lengths, file=fname,
@@ -127,7 +140,25 @@ def plan_cases(draw) -> dict:
         "verify": draw(st.booleans()),
         "max_gap": draw(st.sampled_from([0, 0, 1, 16, DEFAULT_MAX_GAP])),
         "max_read": draw(st.sampled_from([1, 7, 64, 500, DEFAULT_MAX_READ])),
+        # targets read through a bounce buffer (casts, CUDA), in reads of at most max_bounce_read
+        "bounce": frozenset(draw(st.sets(st.sampled_from(range(len(targets))))) if targets else ()),
+        "max_bounce_read": draw(st.sampled_from([1, 7, 64, 500, DEFAULT_MAX_BOUNCE_READ])),
     }
+
+
+def plan_of(case: dict):
+    return plan_load(case["manifest"], case["targets"], verify=case["verify"], max_gap=case["max_gap"],
+                     max_read=case["max_read"], bounce=case.get("bounce", frozenset()),
+                     max_bounce_read=case.get("max_bounce_read", DEFAULT_MAX_BOUNCE_READ))
+
+
+def chunks_fall_between_elements(m: Manifest) -> bool:
+    """Every chunk boundary of every file lies between two elements of any tensor it cuts."""
+    for rec in m.tensors.values():
+        isz = rec.itemsize
+        if m.chunk_size % isz or any(s.byte_range[0] % isz for s in rec.shards):
+            return False
+    return True
 
 
 def element_grid(lengths: tuple[int, ...]) -> np.ndarray:
@@ -170,7 +201,7 @@ def _carried_copy_case() -> dict:
 def test_plan_copies_every_target_element_once_from_its_source(case):
     m: Manifest = case["manifest"]
     targets: list[TargetSlice] = case["targets"]
-    plan = plan_load(m, targets, verify=case["verify"], max_gap=case["max_gap"], max_read=case["max_read"])
+    plan = plan_of(case)
     assert plan.verify == case["verify"]
     writes = [np.zeros(t.box.lengths, dtype=np.int64) for t in targets]
     needed = 0
@@ -266,3 +297,32 @@ def test_split_block_puts_every_element_on_its_side_of_the_cut_once(data):
             assert (last <= cut) if side == "before" else (first >= cut), (side, b, first, last, cut)
             seen[b.slices()] += 1
     assert seen.size == 0 or (seen.min() == 1 and seen.max() == 1)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=plan_cases())
+@example(case=_carried_copy_case())
+def test_no_byte_of_a_file_is_read_twice_in_one_plan(case):
+    """In-place and bounced copies sharing bytes or a hash chunk: the bytes are read once (the
+    in-place part is copied out of the bounced read), verified or not. Verified plans can cut a
+    copy only between elements, so that half is checked where chunk boundaries fall there."""
+    m: Manifest = case["manifest"]
+    plan = plan_of(case)
+    if case["verify"] and not chunks_fall_between_elements(m):
+        return
+    per_file: dict[str, list[tuple[int, int]]] = {}
+    for read in plan.reads:
+        per_file.setdefault(read.file, []).append((read.byte_range.start, read.byte_range.end))
+    for fname, spans in per_file.items():
+        spans.sort()
+        union = 0
+        reach = 0
+        for s, e in spans:
+            union += max(0, e - max(s, reach))
+            reach = max(reach, e)
+        assert sum(e - s for s, e in spans) == union, f"{fname}: reads {spans} overlap"
+    cap = min(case.get("max_bounce_read", DEFAULT_MAX_BOUNCE_READ), case["max_read"])
+    for read in plan.reads:
+        if not case["verify"] and any(it.target in case.get("bounce", ()) for it in read.items):
+            biggest = max(it.itemsize for it in read.items)
+            assert read.byte_range.length <= max(cap, biggest), "a bounced read exceeds max_bounce_read"
