@@ -15,9 +15,11 @@ larger global tensor; ``PerRank(value)`` marks a value that differs per rank.
 real state: what ``shardfmt.get_state_dict`` makes for a fresh optimizer's parameters.
 ``save`` never writes an IfSaved subtree (a never-stepped optimizer saves no per-parameter
 state). ``load`` fills each of its leaves that the checkpoint holds, removes the others (and
-then the dicts left empty; a list or tuple stays only whole) without ever calling them
-missing, and puts the plain subtree in the marker's place, or removes the key when nothing
-is left: a parameter that had no state at save gets none.
+then the dicts left empty; a list or tuple stays only whole, its saved entries then count as
+unexpected) without ever calling them missing, and puts the plain subtree in the marker's
+place, or removes the key when nothing is left: a parameter that had no state at save gets
+none. A leaf the checkpoint holds in another shape (entries under its name, one entry above
+it) is never missing either: ``load`` raises ``StateDictError``, with or without ``strict``.
 """
 
 from __future__ import annotations

@@ -245,23 +245,20 @@ def test_optimizer_state_saved_by_parameter_index_is_refused_not_dropped(tmp_pat
     assert not opt.state
 
 
-def test_load_settles_if_saved_subtrees():
+def test_load_settles_if_saved_subtrees(tmp_path):
     """``IfSaved`` rules on a plain dict: held leaves are filled and unwrapped, the others removed
     (dicts left empty go, a list stays only whole), never missing; save writes none of it."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "c")
-        shardfmt.save({"s": {"a": {"x": torch.ones(2), "n": 3}, "b": {"x": torch.ones(1)},
-                             "c": [torch.ones(1)]}, "made": shardfmt.IfSaved({"y": torch.zeros(1)})}, path)
-        m = shardfmt.read_manifest(path)
-        assert sorted([*m.tensors, *m.values]) == ["s.a.n", "s.a.x", "s.b.x", "s.c.0"]
-        want = {"s": {"a": shardfmt.IfSaved({"x": torch.zeros(2), "n": 0, "gone": torch.zeros(1)}),
-                      "d": shardfmt.IfSaved({"x": torch.zeros(1)}),
-                      "c": shardfmt.IfSaved([torch.zeros(1), torch.zeros(1)]),
-                      "b": {"x": torch.zeros(1)}}}
-        report = shardfmt.load(want, path)
-        assert report.missing == () and report.unexpected == ("s.c.0",)
-        assert want["s"].keys() == {"a", "b"}
-        assert want["s"]["a"].keys() == {"x", "n"} and want["s"]["a"]["n"] == 3
-        assert torch.equal(want["s"]["a"]["x"], torch.ones(2))
+    path = str(tmp_path / "c")
+    shardfmt.save({"s": {"a": {"x": torch.ones(2), "n": 3}, "b": {"x": torch.ones(1)},
+                         "c": [torch.ones(1)]}, "made": shardfmt.IfSaved({"y": torch.zeros(1)})}, path)
+    m = shardfmt.read_manifest(path)
+    assert sorted([*m.tensors, *m.values]) == ["s.a.n", "s.a.x", "s.b.x", "s.c.0"]
+    want = {"s": {"a": shardfmt.IfSaved({"x": torch.zeros(2), "n": 0, "gone": torch.zeros(1)}),
+                  "d": shardfmt.IfSaved({"x": torch.zeros(1)}),
+                  "c": shardfmt.IfSaved([torch.zeros(1), torch.zeros(1)]),
+                  "b": {"x": torch.zeros(1)}}}
+    report = shardfmt.load(want, path)
+    assert report.missing == () and report.unexpected == ("s.c.0",)
+    assert want["s"].keys() == {"a", "b"}
+    assert want["s"]["a"].keys() == {"x", "n"} and want["s"]["a"]["n"] == 3
+    assert torch.equal(want["s"]["a"]["x"], torch.ones(2)) and torch.equal(want["s"]["b"]["x"], torch.ones(1))
