@@ -31,8 +31,9 @@ from .errors import (  # noqa: E402
 from .manifest import Manifest  # noqa: E402
 from .reader import open_checkpoint, read_manifest  # noqa: E402
 from .sampler import ResumableSampler  # noqa: E402
-from .state import PerRank, ShardedTensor  # noqa: E402
+from .state import IfSaved, PerRank, ShardedTensor  # noqa: E402
 from .storage import io_stats  # noqa: E402
+from .train_state import get_state_dict, set_state_dict  # noqa: E402
 from .validation import Problem, ValidationReport, validate  # noqa: E402
 from .writer import CheckpointWriter, ShardData  # noqa: E402
 
@@ -40,6 +41,8 @@ __all__ = [
     "__version__",
     "save",
     "load",
+    "get_state_dict",
+    "set_state_dict",
     "async_save",
     "AsyncSave",
     "Stager",
@@ -55,6 +58,7 @@ __all__ = [
     "CompatibilityError",
     "ResumableSampler",
     "PerRank",
+    "IfSaved",
     "CheckpointWriter",
     "ShardData",
     "ShardfmtError",

@@ -11,6 +11,7 @@ leaves, so a failed load never leaves half-applied non-tensor state.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,16 @@ from .errors import (
 )
 from .manifest import MAX_NDIM, Manifest, ViewRecord
 from .reader import check_headers, open_checkpoint
-from .state import Leaf, PerRank, ShardedTensor, _is_dtensor, check_settable, flatten, set_leaf
+from .state import (
+    Leaf,
+    PerRank,
+    ShardedTensor,
+    _is_dtensor,
+    check_settable,
+    flatten,
+    set_leaf,
+    settle_if_saved,
+)
 from .tensor_bytes import is_direct
 from .writer import DEFAULT_PART_SIZE
 
@@ -239,7 +249,11 @@ def load(
 
     Tensors (plain, or ShardedTensor slices) are filled in place, keeping their device;
     non-tensor leaves are replaced with the stored values. ``strict`` raises if a key the
-    caller holds is not in the checkpoint; otherwise it is reported in ``missing``.
+    caller holds is not in the checkpoint; otherwise it is reported in ``missing``. A key the
+    checkpoint holds in another shape (entries under it, or one value above it: a fresh
+    optimizer's ``state_dict()`` against a stepped one's) raises ``StateDictError`` either way.
+    ``IfSaved`` subtrees (``shardfmt.get_state_dict``) get the leaves the checkpoint holds and
+    lose the others, which are never missing (see ``shardfmt.state``).
 
     Works on any topology: every rank (under torch.distributed, or ``rank=`` given) plans
     its own reads from its own targets — DTensors (any mesh and placements), ShardedTensor
@@ -263,7 +277,8 @@ def load(
     src_dtypes: list[torch.dtype] = []
     posts: list[_Post] = []
     pending_values: list[tuple[Leaf, Any]] = []
-    missing: list[str] = []
+    absent: list[Leaf] = []
+    kept: dict[str, Any] = {}  # IfSaved leaves the checkpoint holds: fqn -> tensor, or value once read
     loaded: list[str] = []
     sole: set[int] = set()  # targets no other process reads the bytes of
     for leaf in leaves:
@@ -272,8 +287,10 @@ def load(
             if leaf.fqn not in m.tensors:
                 if leaf.fqn in m.values:
                     raise StateDictError(f"{leaf.fqn}: the checkpoint holds a value here, not a tensor")
-                missing.append(leaf.fqn)
+                absent.append(leaf)
                 continue
+            if leaf.within is not None:
+                kept[leaf.fqn] = v
             dst, pieces, gshape = _targets_of(leaf)
             name, rec = m.resolve(leaf.fqn)
             if tuple(gshape) != rec.shape:
@@ -306,9 +323,10 @@ def load(
                 if leaf.fqn in m.tensors:
                     raise StateDictError(f"{leaf.fqn}: the checkpoint holds a tensor here; pass a tensor to "
                                          f"load it into (got {type(v).__name__})")
-                missing.append(leaf.fqn)
+                absent.append(leaf)
                 continue
-            check_settable(leaf)  # before any read: a load fails whole or not at all
+            if leaf.within is None:
+                check_settable(leaf)  # before any read: a load fails whole or not at all
             if isinstance(v, PerRank) or rec.per_rank is not None:
                 got = _value_for_rank(leaf.fqn, rec, rank, world_size, m.topology.world_size, per_rank,
                                       source=ckpt.path)
@@ -318,6 +336,8 @@ def load(
             else:
                 pending_values.append((leaf, jsonvalue.decode_stored(rec.value, where=leaf.fqn, source=ckpt.path)))
             loaded.append(leaf.fqn)
+    _check_absent(absent, m, ckpt.path)
+    missing = [leaf.fqn for leaf in absent if leaf.within is None]
     if missing and strict:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise MissingKeyError(f"{ckpt.path}: not in the checkpoint: {shown} (pass strict=False to skip)")
@@ -350,7 +370,12 @@ def load(
         with torch.no_grad():
             p.dst.copy_(src)
     for leaf, value in pending_values:
-        set_leaf(leaf, value)
+        if leaf.within is None:
+            set_leaf(leaf, value)
+        else:
+            kept[leaf.fqn] = value
+    dropped = settle_if_saved(leaves, kept)  # read, but in an IfSaved list that is not whole
+    loaded = [f for f in loaded if f not in dropped] if dropped else loaded
     after = ckpt.storage.stats.snapshot()
     requested = set(loaded)
     unexpected = tuple(sorted(k for k in list(m.tensors) + list(m.values) if k not in requested))
@@ -360,6 +385,42 @@ def load(
         read_requests=after["read_requests"] - before["read_requests"],
         bytes_needed=plan.needed_bytes, stats=after,
     )
+
+
+def _check_absent(absent: list[Leaf], m: Manifest, source: str) -> None:
+    """Raise ``StateDictError`` for a leaf the checkpoint holds in another shape: entries under
+    its name, or one entry above it. Present data is never reported as missing."""
+    if not absent:
+        return
+    names = sorted([*m.tensors, *m.values])  # once per load: manifests can hold millions of names
+    for leaf in absent:
+        lo = bisect_left(names, leaf.fqn + ".")
+        hi = bisect_left(names, leaf.fqn + "/", lo)  # "/" sorts right after ".": [lo, hi) is under it
+        if hi > lo:
+            shown = ", ".join(names[lo:min(hi, lo + 3)]) + (", ..." if hi - lo > 3 else "")
+            raise StateDictError(
+                f"{source}: {leaf.fqn}: the checkpoint holds {hi - lo} entries under this name ({shown}); "
+                f"the state given to load holds one {_kind(leaf.value)} here{_fresh_optimizer_hint(leaf.value)}")
+        parts = leaf.fqn.split(".")
+        for above in (".".join(parts[:i]) for i in range(1, len(parts))):
+            if above in m.tensors or above in m.values:
+                raise StateDictError(
+                    f"{source}: {leaf.fqn}: the checkpoint holds {above} as one "
+                    f"{'tensor' if above in m.tensors else 'value'}, not the entries under it that the state "
+                    f"given to load holds; load it as one value (e.g. {{{above!r}: None}})")
+
+
+def _kind(v: Any) -> str:
+    return "tensor" if isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v) else \
+        f"value ({type(v).__name__} without tensors)"
+
+
+def _fresh_optimizer_hint(v: Any) -> str:
+    if not isinstance(v, dict) or (v and "param_groups" not in v):
+        return ""
+    return (". An optimizer that has not stepped yet has no state to load into: build the state with "
+            "shardfmt.get_state_dict(model, optimizer), load into it, then apply it with "
+            "shardfmt.set_state_dict(model, optimizer, state)")
 
 
 def _check_writable(fqn: str, t: torch.Tensor) -> None:

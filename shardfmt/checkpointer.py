@@ -1,8 +1,8 @@
 """The training-loop API: whole training state in, whole training state out, on any topology.
 
 ``Checkpointer(root).save(step, state)`` writes ``root/step_XXXXXXXXX``: model and
-optimizer state through ``torch.distributed.checkpoint.state_dict`` (optimizer state keyed
-by parameter FQN, so it reshards like the weights; lazily created state is initialised),
+optimizer state as ``shardfmt.get_state_dict`` makes it (optimizer state keyed by parameter
+FQN, so it reshards like the weights; parameters without state save none),
 every other entry's ``state_dict()`` (scheduler, GradScaler, ResumableSampler, user
 objects), each rank's RNG states, and metadata for compatibility checks. Retention runs
 only after the new checkpoint is committed.
@@ -63,8 +63,9 @@ from .roots import (
     newest_committed,
     step_paths,
 )
-from .state import PerRank
+from .state import IfSaved, PerRank
 from .storage import get_storage
+from .train_state import optimizer_state_dict, set_optimizer_state
 
 RNG_KEY = "_shardfmt_rng"
 _FAILURES = (ShardfmtError, OSError)
@@ -184,12 +185,9 @@ class Checkpointer:
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
 
     # ------------------------------------------------------------------ state <-> dicts
-    def _state_dicts(self, state: Mapping[str, Any], *, saving: bool = False) -> tuple[dict, dict, set[str]]:
+    def _state_dicts(self, state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
         """Return (saveable dict, signature, names of optimizers that never stepped) for ``state``'s entries."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         models = {k: v for k, v in state.items() if _is_module(v)}
         out: dict[str, Any] = {}
@@ -200,13 +198,8 @@ class Checkpointer:
             if _is_module(obj):
                 out[name] = get_model_state_dict(obj)
             elif _is_optimizer(obj):
-                model = _owner(obj, models, name)
-                fresh = not obj.state
-                out[name] = get_optimizer_state_dict(model, obj)  # a fresh optimizer gets its state made
-                if fresh and obj.state:
-                    if saving:
-                        out[name] = _unstepped(out[name])
-                    obj.state.clear()  # made with lr=0 only to have tensors to save / load into
+                out[name] = optimizer_state_dict(_owner(obj, models, name), obj)  # made-up state: IfSaved
+                if any(isinstance(v, IfSaved) for v in out[name]["state"].values()):
                     fresh_optims.add(name)
             elif hasattr(obj, "state_dict"):
                 out[name] = obj.state_dict()
@@ -234,7 +227,7 @@ class Checkpointer:
                 self._warned.add(h)
                 warnings.warn(f"the background save to {h.path} failed (wait() raises it): {h.exception()}",
                               stacklevel=2)
-        sd, signature, fresh_optims = self._state_dicts(state, saving=True)
+        sd, signature, fresh_optims = self._state_dicts(state)
         samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
         if samplers and self._dist():
             seen = self._all_gather([int(s.consumed) for s in samplers])
@@ -586,10 +579,7 @@ class Checkpointer:
                     f"{[g[:3] for g in old['groups'][:3]]} (pass allow_mismatch=True)")
 
     def _apply(self, state, sd, report, manifest, *, fresh_optims: set[str], dirty: bool = False) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         from . import jsonvalue
 
@@ -601,9 +591,9 @@ class Checkpointer:
             if _is_module(obj):
                 set_model_state_dict(obj, sd[name])
             elif _is_optimizer(obj):
-                set_optimizer_state_dict(_owner(obj, models, name), obj, sd[name])
-                if name in fresh_optims and (name not in saved_entries or name in meta.get("unstepped", [])):
-                    obj.state.clear()  # never stepped (or not saved): exactly the fresh optimizer again
+                set_optimizer_state(_owner(obj, models, name), obj, sd[name])
+                if name in fresh_optims and name in meta.get("unstepped", []):
+                    obj.state.clear()  # saved before its first step by a version that wrote made-up state
             else:
                 try:
                     obj.load_state_dict(sd[name])
@@ -633,16 +623,6 @@ class Checkpointer:
         if unread:
             warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
                           stacklevel=3)
-
-
-def _unstepped(osd: dict) -> dict:
-    """An optimizer state dict made by a zero-gradient step (torch's way of creating the state of
-    an optimizer that never stepped), with its step counts back at zero: loading it resumes
-    exactly like the fresh optimizer it was taken from."""
-    state = {k: {n: (torch.zeros_like(v) if n == "step" and isinstance(v, torch.Tensor) else 0 if n == "step" else v)
-                 for n, v in per.items()}
-             for k, per in osd.get("state", {}).items()}
-    return {**osd, "state": state}
 
 
 def _owner(opt, models: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module:

@@ -190,7 +190,8 @@ def _layout_record(layout: Layout) -> Placement:
 
 
 def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[str, Any]]:
-    """Return what this rank holds: tensors (with local views), a JSON description, values."""
+    """Return what this rank holds: tensors (with local views), a JSON description, values
+    (``IfSaved`` subtrees are no real state: they are left out)."""
     from .api import _check_saveable, _plan_sharing
 
     held: dict[str, _Held] = {}
@@ -199,6 +200,8 @@ def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[
     per_rank: dict[str, Any] = {}
     for leaf in flatten(state_dict):
         v = leaf.value
+        if leaf.within is not None:
+            continue  # IfSaved: made up to load into, never saved
         if _is_dtensor(v):
             try:
                 layout, coords, sizes = dtensor_layout(v)

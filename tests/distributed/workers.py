@@ -500,6 +500,38 @@ def fsdp_restore(rank, world, args):
     return {"step": step, "params": _full_params(model)}
 
 
+def _fsdp_step(model, opt, i):
+    """One training step on batch ``i`` (the same on every rank)."""
+    opt.zero_grad()
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+    opt.step()
+
+
+@job
+def fsdp_helpers_save(rank, world, args):
+    """The plain API under FSDP2: train 3 steps, save get_state_dict's state, then take step 4."""
+    model, opt = _fsdp_state(0, world)
+    for i in range(3):
+        _fsdp_step(model, opt, i)
+    shardfmt.save(shardfmt.get_state_dict(model, opt), args["path"], timeout=dt.timedelta(seconds=60))
+    _fsdp_step(model, opt, 3)
+    return {"params": _full_params(model)}
+
+
+@job
+def fsdp_helpers_resume(rank, world, args):
+    """A fresh model and optimizer (other weights, no optimizer state) resume the plain API's
+    checkpoint on this world size and take step 4."""
+    model, opt = _fsdp_state(1, world)
+    state = shardfmt.get_state_dict(model, opt)
+    report = shardfmt.load(state, args["path"])
+    shardfmt.set_state_dict(model, opt, state)
+    stepped = sorted(n for n, p in model.named_parameters() if p in opt.state)
+    _fsdp_step(model, opt, 3)
+    return {"params": _full_params(model), "missing": list(report.missing), "stepped": stepped,
+            "unexpected": list(report.unexpected)}
+
+
 DCP_SHARDED = {  # fqn -> (global shape, dtype): DTensors with Shard(0) over the whole world
     "model.embed.weight": ((10, 6), torch.float32),
     "model.proj.weight": ((5, 3), torch.bfloat16),  # uneven on 2 ranks: rows 3 + 2
