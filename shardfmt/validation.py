@@ -1,7 +1,8 @@
 """The validator: every finding about a checkpoint, as data (it never logs-and-returns).
 
 Quick checks (default): COMMITTED present and parseable; manifest.json parses, matches the
-JSON Schema and hashes to the digest COMMITTED records; format version supported; every
+JSON Schema and hashes to the digest COMMITTED records; format version supported (a later
+version's checkpoint gets the one finding "format_version": this reader cannot judge it); every
 field well-formed; every listed file present with its recorded size; each safetensors
 header agrees with the manifest (names, dtypes, shapes, byte ranges); derived digests
 agree with the chunk digests; each tensor's shards tile its shape (O(n log n)).
@@ -21,7 +22,7 @@ import orjson
 from reshard.geometry import Box, tiling_problems
 
 from . import hashing
-from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
@@ -70,6 +71,11 @@ class ValidationReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def unsupported(self) -> bool:
+        """Whether the one finding is a format version this reader cannot read: not a verdict."""
+        return bool(self.problems) and all(p.code == "format_version" for p in self.problems)
+
     def to_json(self) -> dict:
         return {"path": self.path, "deep": self.deep, "ok": self.ok,
                 "problems": [p.to_json() for p in self.problems]}
@@ -112,6 +118,9 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
         commit = read_commit(storage, path)
     except (CheckpointNotFoundError, StorageError):
         raise  # the path cannot be reached (a COMMITTED that is a directory is a CommitError: a problem)
+    except FormatVersionError as e:  # a later version's marker: this reader cannot judge the rest
+        problems.append(Problem(code="format_version", message=str(e), file=COMMITTED_NAME))
+        return done()
     except ShardfmtError as e:
         problems.append(Problem(code="not_committed", message=str(e), file=COMMITTED_NAME))
         commit = None
@@ -134,6 +143,10 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
         return done()
     try:
         manifest = manifest_from_obj(obj, source=MANIFEST_NAME)
+    except FormatVersionError as e:  # a later version's: its digest and fields are not this reader's to judge
+        problems[:] = [p for p in problems if p.code == "not_committed"]
+        problems.append(Problem(code="format_version", message=str(e), file=MANIFEST_NAME))
+        return done()
     except ShardfmtError as e:
         try:
             problems.extend(_schema_problems(migrate(obj)) if isinstance(obj, dict) else [])
