@@ -575,7 +575,8 @@ class Checkpointer:
         except CheckpointNotFoundError as e:
             return {"error": str(e), "type": "CheckpointNotFoundError"}
         except _FAILURES as e:  # the store cannot say (refused, unreachable): not a first run
-            return {"error": f"{self.storage.url(self.root)}: cannot look up the root: {e}", "type": "StorageError"}
+            return {"error": str(e) if isinstance(e, ShardfmtError) else f"{self.storage.url(self.root)}: {e}",
+                    "type": "StorageError"}
         if kind == "new":
             log.info("%s: no Checkpointer root there yet (its parent exists): a first run", self.storage.url(self.root))
         out, seen_any = [], False
