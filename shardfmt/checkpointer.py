@@ -578,7 +578,8 @@ class Checkpointer:
             return {"error": str(e) if isinstance(e, ShardfmtError) else f"{self.storage.url(self.root)}: {e}",
                     "type": "StorageError"}
         if kind == "new":
-            log.info("%s: no Checkpointer root there yet (its parent exists): a first run", self.storage.url(self.root))
+            log.info("%s: no Checkpointer root there yet (its %s exists): a first run", self.storage.url(self.root),
+                     "bucket" if self.storage.object_store else "parent")
         out, seen_any = [], False
         tiers = [("root", self.storage, self.root)] if kind == "root" else []
         if self.archive_storage is not None:

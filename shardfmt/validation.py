@@ -104,7 +104,8 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     """Check the checkpoint at ``path`` and return every problem found.
 
     Raises ``CheckpointNotFoundError``/``StorageError`` only when ``path`` cannot be reached
-    at all; everything wrong with the checkpoint itself is a Problem in the report.
+    at all or names no checkpoint (``reader.not_a_checkpoint``: a Checkpointer root, a Hugging
+    Face folder); everything wrong with the checkpoint itself is a Problem in the report.
     """
     if storage is None:
         storage, path = get_storage(path, storage_options)
@@ -117,7 +118,8 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     try:
         commit = read_commit(storage, path)
     except (CheckpointNotFoundError, StorageError):
-        raise  # the path cannot be reached (a COMMITTED that is a directory is a CommitError: a problem)
+        raise  # the path cannot be reached or names no checkpoint (a root, a Hugging Face folder; a
+        # COMMITTED that is a directory, or none next to a manifest, is a CommitError: a problem)
     except FormatVersionError as e:  # a later version's marker: this reader cannot judge the rest
         problems.append(Problem(code="format_version", message=str(e), file=COMMITTED_NAME))
         return done()
