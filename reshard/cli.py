@@ -3,9 +3,10 @@
 shardfmt and the Hugging Face safetensors layout; ``import-dcp`` reads a DCP checkpoint.
 
 Exit codes: 0 success, 1 the checkpoint or plan is unusable, 2 bad arguments (a destination
-that is, holds or lies inside the source included) or an unreachable path, 130 interrupted
-(Ctrl-C), 141 stdout closed early (``| head``). Errors print one line to stderr, never a
-traceback.
+that is, holds or lies inside the source included), an unreachable path, a path that names no
+checkpoint (a Checkpointer root, a Hugging Face folder) or a checkpoint of a format version this
+release cannot read, 130 interrupted (Ctrl-C), 141 stdout closed early (``| head``). Errors print
+one line to stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import orjson
 
 from shardfmt.cli import stdout_closed
-from shardfmt.errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from shardfmt.storage import parse_storage_options
 
 from .geometry import Box
@@ -282,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"reshard: {e}", file=sys.stderr)
+        return 2
+    except FormatVersionError as e:  # a newer release's checkpoint: not unusable, unreadable here
+        print(f"reshard: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # bad arguments: a mesh, a rules file, a budget, a size
         kind = f"{type(e).__name__}: " if isinstance(e, ShardfmtError) else ""

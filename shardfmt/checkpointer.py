@@ -9,14 +9,19 @@ only after the new checkpoint is committed.
 
 ``restore(state)``::
 
-    1) rank 0 lists the committed checkpoints, newest first, and broadcasts its choice
+    1) rank 0 checks the root (spec section 2.1: a checkpoint given as the root, or a root
+       missing with its parent, is an error; a root missing under an existing parent is a first
+       run), lists the committed checkpoints, newest first, and broadcasts its choice
     2) every rank loads its slices, verifying every byte it reads
     3) the ranks agree (all-gather): if any rank failed, rank 0 quarantines the checkpoint
        (``step_X.corrupt-<id>``), everyone warns naming the file and cause, and all fall
        back together to the next one
     4) only then is non-tensor state applied (optimizer, scheduler, sampler, RNG)
 
-When checkpoints exist but none is valid, restore raises unless ``allow_fresh_start``.
+When checkpoints exist but none is valid, restore raises unless ``allow_fresh_start``. A
+checkpoint of a newer format version (a newer release's) is never quarantined: when it is newer
+than every checkpoint restore can read, restore raises FormatVersionError rather than resume an
+older step; an older one is passed over and left as it is.
 
 Tiering: with ``archive=<url>`` rank 0 copies a committed checkpoint there in the background
 whenever ⌊step / archive_every⌋ exceeds that of the last one archived (``archive.py``: streamed,
@@ -29,6 +34,7 @@ checkpoint under ``root`` is valid (the disk died), ``restore`` falls back to th
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import threading
 import warnings
 import weakref
@@ -44,6 +50,7 @@ from .api import load, save
 from .async_save import at_exit
 from .errors import (
     CheckpointNotFoundError,
+    FormatVersionError,
     ShardfmtError,
     StateDictError,
     StorageError,
@@ -52,6 +59,7 @@ from .manifest import QUARANTINED_NAME
 from .reader import open_checkpoint
 from .retention import (
     parse_step_dir,
+    quarantine_dir_name,
     step_dir_name,
     to_delete,
 )
@@ -61,6 +69,8 @@ from .roots import (
     collect_garbage,
     list_steps,
     newest_committed,
+    probe_root,
+    root_parent,
     step_paths,
 )
 from .state import IfSaved, PerRank
@@ -69,6 +79,8 @@ from .train_state import optimizer_state_dict, set_optimizer_state
 
 RNG_KEY = "_shardfmt_rng"
 _FAILURES = (ShardfmtError, OSError)
+_ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
+log = logging.getLogger("shardfmt")
 
 
 class CompatibilityError(StateDictError):
@@ -134,6 +146,7 @@ class Checkpointer:
         self.timeout = timeout
         self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
+        self._root_checked = False  # the root rules (spec 2.1) hold: checked at restore or the first save
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []  # background saves not yet waited for (failed ones until wait() raises)
         self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
@@ -240,6 +253,8 @@ class Checkpointer:
                 "signature": signature, "optimizers": _optimizer_signature(state, sd),
                 "entries": sorted(state), "world_size": self._world()}
         path = self.storage.join(self.root, step_dir_name(step))
+        if not self._root_checked:
+            self._check_root()
         self.storage.makedirs(self.root)
         url = self.storage.url(path)
         if (not self.storage.atomic_rename and self._rank() == 0
@@ -387,22 +402,32 @@ class Checkpointer:
         # count); older ones by their markers alone, so a pass costs the same with 10 or 10,000
         # checkpoints kept (keep_every).
         committed: dict[int, str] = {}
-        checked: set[int] = set()
+        full: dict[int, str] = {}  # step -> its status, checked in full
         for step, path in reversed(step_paths(self.storage, self.root)):
-            full = len(committed) < self.keep_last
-            if checkpoint_status(self.storage, path, markers_only=not full)[0] == "committed":
+            if len(committed) < self.keep_last:
+                status = full[step] = checkpoint_status(self.storage, path)[0]
+            else:
+                status = checkpoint_status(self.storage, path, markers_only=True)[0]
+            if status == "committed":
                 committed[step] = path
-                if full:
-                    checked.add(step)
-        while True:  # the copy that stays for a bucket being pruned must be readable: checked in full (once)
+
+        def status_of(s: int) -> str:
+            if s not in full:
+                full[s] = checkpoint_status(self.storage, committed[s])[0]
+            return full[s]
+
+        while True:
+            # Checked in full (once) before they stay or go: the copy that stays for a bucket being
+            # pruned must be readable, and a checkpoint of a format version this reader cannot read
+            # (a newer release's) is neither counted nor removed (spec section 2.1).
             doomed = to_delete(list(committed), keep_last=self.keep_last, keep_every=self.keep_every)
             pruned = {s // self.keep_every for s in doomed} if self.keep_every else set()
-            stays = [s for s in committed if s not in doomed and s not in checked and s // self.keep_every in pruned]
-            torn = [s for s in stays if checkpoint_status(self.storage, committed[s])[0] != "committed"]
-            checked.update(stays)
-            if not torn:
+            stays = [s for s in committed if s not in doomed and s // self.keep_every in pruned] if pruned else []
+            drop = ([s for s in stays if status_of(s) != "committed"]  # torn: neither kept as the
+                    + [s for s in doomed if status_of(s) == "unsupported"])  # bucket's copy nor removed
+            if not drop:
                 break
-            for s in torn:  # neither kept as the bucket's copy nor removed here (like any torn one)
+            for s in drop:
                 del committed[s]
         for step in doomed:
             with self._archive_lock:
@@ -431,7 +456,7 @@ class Checkpointer:
     def _quarantine(self, path: str, reason: str) -> None:
         import uuid
 
-        dest = f"{path}.corrupt-{uuid.uuid4().hex[:8]}"
+        dest = quarantine_dir_name(path, uuid.uuid4().hex[:8])
         try:
             if self.storage.atomic_rename:
                 self.storage.rename(path, dest)
@@ -449,12 +474,15 @@ class Checkpointer:
                 obj.to_empty(device="cpu")  # a model built on the meta device gets real storage to load into
         rank = self._rank()
         choice = self._broadcast(self._candidates() if rank == 0 else None)
-        if "error" in choice:  # root cannot be listed (a misspelled bucket, no access): not "no checkpoints"
-            raise StorageError(choice["error"])
+        if "error" in choice:  # not a root, or one that cannot be listed (no access): not "no checkpoints"
+            raise _ROOT_ERRORS[choice["type"]](choice["error"])
+        self._root_checked = True
         dirty = False  # this rank's state holds data of a checkpoint that was then given up
-        for step, tier, path in choice["candidates"]:
+        for step, tier, path, unsupported in choice["candidates"]:
             storage, opts = ((self.storage, self.storage_options) if tier == "root"
                              else (self.archive_storage, self.archive_storage_options))
+            if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
+                raise FormatVersionError(_newer_than_restorable(storage.url(path), step, unsupported))
             sd, signature, fresh_optims = self._state_dicts(state)
             sd[RNG_KEY] = PerRank(None)
             err = None
@@ -472,10 +500,14 @@ class Checkpointer:
                 # The caller's state does not fit the checkpoint (a shape, a dtype, a tuple, a config
                 # that cannot be encoded): the checkpoint is not at fault and is not quarantined.
                 caller = isinstance(e, StateDictError)
-                err = {"error": f"{type(e).__name__}: {e}", "transient": transient, "caller": caller}
+                err = {"error": f"{type(e).__name__}: {e}", "transient": transient, "caller": caller,
+                       "version": isinstance(e, FormatVersionError)}  # rewritten by a newer release since listed
                 dirty = dirty or getattr(e, "partial_load", False)
             errors = self._all_gather(err)
             failing = [(r, e) for r, e in enumerate(errors) if e]
+            if any(e["version"] for _, e in failing):
+                raise FormatVersionError(f"restoring {storage.url(path)} (nothing was quarantined): "
+                                         + "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4]))
             if any(e.get("caller") for _, e in failing):
                 raise StateDictError(f"restoring {storage.url(path)}: the state given to restore does not fit the "
                                      "checkpoint (nothing was quarantined): "
@@ -510,11 +542,39 @@ class Checkpointer:
                                           "(pass allow_fresh_start=True to train from scratch)")
         return None
 
+    def _check_root(self) -> str:
+        """Apply the root rules of spec section 2.1 (at restore, or at the first save if there was
+        none); return what the root is (``roots.probe_root``)."""
+        kind = probe_root(self.storage, self.root)
+        if kind == "orphan":
+            url, parent = self.storage.url(self.root), root_parent(self.storage, self.root)
+            msg = (f"{url}: the Checkpointer root does not exist, nor does "
+                   f"{'its bucket' if self.storage.object_store else 'its parent'} {parent} (a misspelled path?)")
+            if not self.allow_fresh_start:
+                raise CheckpointNotFoundError(f"{msg}: create {parent}, or pass allow_fresh_start=True to "
+                                              "start from scratch there")
+            if self._rank() == 0:
+                warnings.warn(f"{msg}; starting from scratch there (allow_fresh_start=True)", stacklevel=3)
+        self._root_checked = True
+        return kind
+
     def _candidates(self) -> dict:
-        """Committed checkpoints to try, newest step first across the root and the archive (the
-        root's copy first within a step)."""
+        """Checkpoints to try, newest step first across the root and the archive (the root's copy
+        first within a step), each ``[step, tier, path, unsupported]``: ``unsupported`` names the
+        format versions of a checkpoint this reader cannot read (restore stops there). Or
+        ``{"error", "type"}`` when the root is unusable."""
+        try:
+            kind = self._check_root()
+        except CheckpointNotFoundError as e:
+            return {"error": str(e), "type": "CheckpointNotFoundError"}
+        except _FAILURES as e:  # the store cannot say (refused, unreachable): not a first run
+            return {"error": str(e) if isinstance(e, ShardfmtError) else f"{self.storage.url(self.root)}: {e}",
+                    "type": "StorageError"}
+        if kind == "new":
+            log.info("%s: no Checkpointer root there yet (its %s exists): a first run", self.storage.url(self.root),
+                     "bucket" if self.storage.object_store else "parent")
         out, seen_any = [], False
-        tiers = [("root", self.storage, self.root)]
+        tiers = [("root", self.storage, self.root)] if kind == "root" else []
         if self.archive_storage is not None:
             tiers.append(("archive", self.archive_storage, self.archive_root))
         for tier, storage, root in tiers:
@@ -525,7 +585,7 @@ class Checkpointer:
                 # missing root (the disk died) falls back to it; a failed listing would pick an
                 # archived step older than what the root holds
                 if tier == "root" and (self.archive_storage is None or not isinstance(e, CheckpointNotFoundError)):
-                    return {"error": f"{storage.url(root)}: cannot list checkpoints: {e}"}
+                    return {"error": f"{storage.url(root)}: cannot list checkpoints: {e}", "type": "StorageError"}
                 warnings.warn(f"{storage.url(root)}: cannot list checkpoints: {e}", stacklevel=3)
                 continue
             seen_any = seen_any or bool(infos)
@@ -535,7 +595,8 @@ class Checkpointer:
                         warnings.warn(f"checkpoint {storage.url(i.path)} is unusable, quarantined: {i.reason}",
                                       stacklevel=3)
                         self._quarantine(i.path, i.reason)
-            out += [[i.step, tier, i.path] for i in reversed(infos) if i.status == "committed"]
+            out += [[i.step, tier, i.path, i.reason if i.status == "unsupported" else None]
+                    for i in reversed(infos) if i.status in ("committed", "unsupported")]
         out.sort(key=lambda c: (-c[0], c[1] != "root"))  # newest step first (an archived newer step beats
         return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
 
@@ -623,6 +684,14 @@ class Checkpointer:
         if unread:
             warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
                           stacklevel=3)
+
+
+def _newer_than_restorable(url: str, step: int, versions: str) -> str:
+    """The error when the newest checkpoint restore meets is one of a format version it cannot read."""
+    where = url.rstrip("/").rsplit("/", 1)[0]
+    return (f"{url} (step {step}): {versions}. Every checkpoint this release can restore is older: resuming "
+            "one would throw away the progress since; upgrade shardfmt to resume from it, or move it out of "
+            f"{where} to resume from the newest older checkpoint (nothing was changed)")
 
 
 def _owner(opt, models: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module:

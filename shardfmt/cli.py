@@ -1,8 +1,10 @@
 """The ``shardfmt`` command: validate, inspect, ls, gc, demo.
 
-Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments or an
-unreachable path, 130 interrupted (Ctrl-C), 141 stdout closed early (``| head``). Errors
-print one line to stderr, never a traceback.
+Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments, an
+unreachable path, a path that names no checkpoint (a Checkpointer root, a Hugging Face folder)
+or a checkpoint of a format version this release cannot read (never judged invalid: a script
+that removes invalid checkpoints keeps a newer release's), 130 interrupted (Ctrl-C), 141 stdout
+closed early (``| head``). Errors print one line to stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import Counter
 
 import orjson
 
-from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from .storage import parse_storage_options
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
@@ -82,14 +84,15 @@ def cmd_validate(args) -> int:
     report = validate(args.path, deep=args.deep, storage_options=_storage_options(args))
     if args.json:
         _print_json(report.to_json())
+    elif report.ok:
+        print(f"{report.path}: valid{' (deep)' if args.deep else ''}")
+    elif report.unsupported:
+        print(f"{report.path}: cannot be validated by this release: {report.problems[0].message}")
     else:
-        if report.ok:
-            print(f"{report.path}: valid{' (deep)' if args.deep else ''}")
-        else:
-            print(f"{report.path}: INVALID, {len(report.problems)} problem(s)")
-            for p in report.problems:
-                print(f"  {p}")
-    return 0 if report.ok else 1
+        print(f"{report.path}: INVALID, {len(report.problems)} problem(s)")
+        for p in report.problems:
+            print(f"  {p}")
+    return 0 if report.ok else 2 if report.unsupported else 1
 
 
 def inspect_summary(manifest) -> dict:
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         return stdout_closed()
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"shardfmt: {e}", file=sys.stderr)
+        return 2
+    except FormatVersionError as e:  # a newer release's checkpoint: not invalid, unreadable here
+        print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     except ShardfmtError as e:
         print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)

@@ -16,7 +16,14 @@ class ManifestError(ShardfmtError):
 
 
 class FormatVersionError(ManifestError):
-    """The checkpoint was written in a format version this reader does not support."""
+    """The checkpoint was written in a format version this reader does not support.
+
+    ``version`` is the checkpoint's ``format_version`` when the error is about one (None when
+    a migration of this reader's own is at fault)."""
+
+    def __init__(self, message: str, *, version: int | None = None) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 class HeaderError(ShardfmtError):

@@ -536,6 +536,12 @@ def check_depth(obj: Any, *, source: str, limit: int = MAX_DEPTH) -> None:
         stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
 
 
+def newer_version_error(source: str, version: int) -> FormatVersionError:
+    """The error for a checkpoint written in ``version``, newer than this reader's (spec section 9)."""
+    return FormatVersionError(f"{source}: written in format version {version}, this reader supports up to "
+                              f"{FORMAT_VERSION}; upgrade shardfmt to read it", version=version)
+
+
 def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
     """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions)."""
     check_depth(obj, source=source)
@@ -547,14 +553,12 @@ def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ManifestError(f"{source}: format_version {version!r} is not a version number")
     if version > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{source}: written in format version {version}, this reader supports up to "
-            f"{FORMAT_VERSION}; upgrade shardfmt to read it"
-        )
+        raise newer_version_error(source, version)
     while version < FORMAT_VERSION:
         mig = _MIGRATIONS.get(version)
         if mig is None:
-            raise FormatVersionError(f"{source}: format version {version} has no migration to {FORMAT_VERSION}")
+            raise FormatVersionError(f"{source}: format version {version} has no migration to {FORMAT_VERSION}",
+                                     version=version)
         obj = mig(dict(obj))
         new = obj.get("format_version") if isinstance(obj, dict) else None
         if new != version + 1:
@@ -638,7 +642,11 @@ def _manifest_fields(o: dict) -> Manifest:
 
 
 def parse_commit(raw: bytes, *, source: str = "COMMITTED") -> CommitRecord:
-    """Parse a COMMITTED marker."""
+    """Parse a COMMITTED marker.
+
+    A marker that carries a ``format_version`` newer than this reader's is a later version's
+    (spec section 9): a FormatVersionError, checked before anything else could call it malformed.
+    Version 1 writes exactly three keys, so any other ``format_version`` is an unknown field."""
     if len(raw) > MAX_COMMITTED_BYTES:
         raise ManifestError(f"{source}: {len(raw)} bytes exceeds the {MAX_COMMITTED_BYTES}-byte limit")
     try:
@@ -647,6 +655,9 @@ def parse_commit(raw: bytes, *, source: str = "COMMITTED") -> CommitRecord:
         raise ManifestError(f"{source}: not valid JSON ({e})") from None
     if not isinstance(o, dict) or o.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: not a shardfmt commit marker")
+    version = o.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise newer_version_error(source, version)
     try:
         _keys(o, "", {"format", "save_id", "manifest_digest"})
         return CommitRecord(save_id=_str(o["save_id"], "save_id", max_len=128),

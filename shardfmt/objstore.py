@@ -481,18 +481,27 @@ class FsspecStorage:
         self.stats.add_read(0)
         return sorted(str(f)[len(base):] for f in found if str(f).startswith(base))
 
-    def check_bucket(self, path: str) -> None:
-        """Raise a StorageError naming ``path`` unless its bucket exists and answers (S3)."""
+    def bucket_exists(self, path: str) -> bool:
+        """Whether the bucket of ``path`` exists (S3; True elsewhere). Raise a StorageError naming
+        ``path`` when the store cannot say (refused, unreachable): that is not a missing bucket."""
         if not self.multipart:
-            return
+            return True
         bucket = self.fs.split_path(path)[0]
         try:
             self.fs.call_s3("head_bucket", Bucket=bucket)
+        except FileNotFoundError:
+            return False
         except PermissionError as e:
             raise translate_error(self.url(path), e, "look up the bucket") from None
         except Exception as e:  # noqa: BLE001
-            raise StorageError(f"{self.url(path)}: the bucket {bucket!r} does not exist or cannot be reached "
+            raise StorageError(f"{self.url(path)}: the bucket {bucket!r} cannot be reached "
                                f"({type(e).__name__}: {e})") from None
+        return True
+
+    def check_bucket(self, path: str) -> None:
+        """Raise a StorageError naming ``path`` unless its bucket exists and answers (S3)."""
+        if not self.bucket_exists(path):
+            raise StorageError(f"{self.url(path)}: the bucket {self.fs.split_path(path)[0]!r} does not exist")
 
     def mtime(self, path: str) -> float:
         """The lease time of ``path``: its LEASE object's, else its newest object's LastModified."""

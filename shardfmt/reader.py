@@ -11,9 +11,17 @@ from dataclasses import dataclass
 
 from . import hashing
 from .commit import committed_aside
-from .errors import CheckpointNotFoundError, CommitError, HeaderError, IntegrityError, StorageError
+from .errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    HeaderError,
+    IntegrityError,
+    ShardfmtError,
+    StorageError,
+)
 from .manifest import (
     COMMITTED_NAME,
+    DATA_DIR,
     MANIFEST_NAME,
     MAX_COMMITTED_BYTES,
     MAX_MANIFEST_BYTES,
@@ -23,6 +31,7 @@ from .manifest import (
     parse_commit,
     parse_manifest,
 )
+from .retention import parse_step_dir
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
 from .storage import Storage, get_storage
 
@@ -69,9 +78,27 @@ def read_commit(storage: Storage, path: str) -> CommitRecord:
     except CheckpointNotFoundError:
         if not storage.atomic_rename and not storage.exists(path):
             raise CheckpointNotFoundError(f"{storage.url(path)}: no checkpoint there") from None
-        raise CommitError(f"{storage.url(path)}: not committed (no {COMMITTED_NAME} marker: an interrupted "
-                          "or in-progress save)") from None
+        raise not_a_checkpoint(storage, path) from None
     return parse_commit(raw, source=storage.url(marker))
+
+
+def not_a_checkpoint(storage: Storage, path: str) -> ShardfmtError:
+    """The error for the directory ``path``, which holds no COMMITTED, saying what it is: a save
+    not (yet) committed (CommitError), or a Checkpointer root, a Hugging Face model folder or
+    something else, each a path that names no checkpoint (CheckpointNotFoundError)."""
+    url = storage.url(path)
+    names = storage.listdir(path)
+    if MANIFEST_NAME in names or DATA_DIR in names:
+        return CommitError(f"{url}: not committed (no {COMMITTED_NAME} marker: an interrupted or in-progress save)")
+    steps = sorted(n for n in names if parse_step_dir(n) is not None)
+    if steps:
+        held = ", ".join(steps[-3:]) + (f" ({len(steps)} in all)" if len(steps) > 3 else "")
+        return CheckpointNotFoundError(f"{url}: is a checkpoint root holding {held}: pass one of them, e.g. "
+                                       f"{storage.url(storage.join(path, steps[-1]))}")
+    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return CheckpointNotFoundError(f"{url}: is a Hugging Face model folder, not a shardfmt checkpoint; "
+                                       "`reshard import-hf` converts it")
+    return CheckpointNotFoundError(f"{url}: not a shardfmt checkpoint: no {COMMITTED_NAME} or {MANIFEST_NAME}")
 
 
 def read_manifest_bytes(storage: Storage, path: str) -> bytes:

@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 
 STEP_RE = re.compile(r"step_(\d{9,})")
+QUARANTINE_TAG = ".corrupt-"  # step_NNNNNNNNN.corrupt-<id>: a checkpoint restore set aside (spec section 2.1)
 DEFAULT_LEASE_SECONDS = 600.0
 
 
@@ -41,6 +42,16 @@ def to_delete(steps: Sequence[int], *, keep_last: int, keep_every: int | None) -
                 keep.add(s)
                 bucket = s // keep_every
     return [s for s in ordered if s not in keep]
+
+
+def quarantine_dir_name(name: str, tag: str) -> str:
+    """Return the name a quarantined checkpoint ``name`` is renamed to (no longer a step dir)."""
+    return f"{name}{QUARANTINE_TAG}{tag}"
+
+
+def is_quarantined_dir(name: str) -> bool:
+    """Whether ``name`` is a checkpoint a restore renamed aside as unusable."""
+    return QUARANTINE_TAG in name
 
 
 def lease_expired(mtime: float, now: float, lease_seconds: float) -> bool:

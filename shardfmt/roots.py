@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass
 
 from .commit import is_data_file, is_save_leftover
-from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME, QUARANTINED_NAME
-from .retention import lease_expired, parse_step_dir
+from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from .manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
+from .retention import is_quarantined_dir, lease_expired, parse_step_dir
 from .storage import Storage
 
 
@@ -24,7 +24,7 @@ from .storage import Storage
 class CheckpointInfo:
     step: int
     path: str
-    status: str  # committed | incomplete | corrupt | quarantined
+    status: str  # committed | incomplete | corrupt | quarantined | unsupported
     reason: str = ""  # why it is not committed
 
 
@@ -32,6 +32,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
                       ) -> tuple[str, int | None, int | None, str]:
     """Return (status, step, size, reason) of one checkpoint directory, quickly.
 
+    "unsupported" is a committed checkpoint of a format version this reader cannot read (a
+    newer release's): neither usable nor corrupt, so never quarantined nor removed (spec 2.1).
     ``markers_only``: look at the COMMITTED and QUARANTINED markers alone (one or two requests
     on an object store), not at the manifest and the files' sizes."""
     from .reader import open_checkpoint
@@ -39,6 +41,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if ".tmp-" in name:
         return "incomplete", None, None, "staging dir of an unfinished save"
+    if is_quarantined_dir(name):
+        return "quarantined", None, None, "renamed aside by a restore that found it unusable"
     if not storage.exists(storage.join(path, COMMITTED_NAME)):
         return "incomplete", None, None, f"no {COMMITTED_NAME}"
     if not storage.atomic_rename and storage.exists(storage.join(path, QUARANTINED_NAME)):
@@ -49,6 +53,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
         ckpt = open_checkpoint(path, storage=storage)
     except StorageError:
         raise  # a failed read (network, throttling, permission) says nothing about the checkpoint
+    except FormatVersionError as e:
+        return "unsupported", None, None, unsupported_reason(e)
     except ShardfmtError as e:
         return "corrupt", None, None, str(e)
     m = ckpt.manifest
@@ -62,11 +68,51 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     return "committed", m.step, sum(f.size for f in m.files.values()), ""
 
 
+def unsupported_reason(e: FormatVersionError) -> str:
+    """Why a checkpoint is "unsupported", naming both versions."""
+    if e.version is not None and e.version > FORMAT_VERSION:
+        return f"format version {e.version}; this reader supports up to {FORMAT_VERSION}"
+    return str(e)
+
+
 def require_root(storage: Storage, root: str) -> None:
     """Raise CheckpointNotFoundError unless ``root`` is a directory: a misspelled root is an
     error, not an empty one."""
     if not storage.isdir(root):
         raise CheckpointNotFoundError(f"{storage.url(root)}: not a directory")
+
+
+def _parent_dir(root: str) -> str:
+    return root.rstrip("/").rsplit("/", 1)[0] or "/"
+
+
+def root_parent(storage: Storage, root: str) -> str:
+    """The URL of what must exist for a missing ``root`` to be a first run: its parent directory,
+    or on an object store (where prefixes exist only by holding objects) its bucket."""
+    return storage.url(root.lstrip("/").split("/", 1)[0] if storage.object_store else _parent_dir(root))
+
+
+def probe_root(storage: Storage, root: str) -> str:
+    """What ``root`` is to a Checkpointer (spec section 2.1): "root" (a directory), "new" (missing,
+    its parent exists: a first run) or "orphan" (missing, and so is its parent: a misspelled path?).
+
+    Raise CheckpointNotFoundError when ``root`` is a checkpoint itself (named ``step_N``, or
+    holding ``manifest.json`` or ``COMMITTED``) or a file."""
+    name = root.rstrip("/").rsplit("/", 1)[-1]
+    is_dir = storage.isdir(root)
+    if parse_step_dir(name) is not None or (is_dir and any(storage.exists(storage.join(root, n))
+                                                           for n in (COMMITTED_NAME, MANIFEST_NAME))):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: is a checkpoint, not a Checkpointer root (the "
+                                      "directory holding step_NNNNNNNNN checkpoints): pass its parent "
+                                      f"{storage.url(_parent_dir(root))}")
+    if is_dir:
+        return "root"
+    if storage.exists(root):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: is a file, not a Checkpointer root (a directory)")
+    bucket_exists = getattr(storage, "bucket_exists", None)
+    if storage.object_store and bucket_exists is not None:
+        return "new" if bucket_exists(root) else "orphan"
+    return "new" if storage.isdir(_parent_dir(root)) else "orphan"
 
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:

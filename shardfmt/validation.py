@@ -1,7 +1,8 @@
 """The validator: every finding about a checkpoint, as data (it never logs-and-returns).
 
 Quick checks (default): COMMITTED present and parseable; manifest.json hashes to the digest
-COMMITTED records; format version supported; every field well-formed (the field parser, which
+COMMITTED records; format version supported (a later version's checkpoint gets the one finding
+"format_version": this reader cannot judge it); every field well-formed (the field parser, which
 rejects first); then the JSON Schema on a bounded sample of the manifest (``schema_sample``);
 every listed file present with its recorded size; each safetensors header agrees with the
 manifest (names, dtypes, shapes, byte ranges); derived digests agree with the chunk digests;
@@ -23,7 +24,7 @@ from reshard.geometry import Box
 from reshard.tiling import tiling_problems
 
 from . import hashing
-from .errors import CheckpointNotFoundError, ShardfmtError, StorageError
+from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
@@ -71,6 +72,11 @@ class ValidationReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def unsupported(self) -> bool:
+        """Whether the one finding is a format version this reader cannot read: not a verdict."""
+        return bool(self.problems) and all(p.code == "format_version" for p in self.problems)
 
     def to_json(self) -> dict:
         return {"path": self.path, "deep": self.deep, "ok": self.ok,
@@ -153,7 +159,8 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     """Check the checkpoint at ``path`` and return every problem found.
 
     Raises ``CheckpointNotFoundError``/``StorageError`` only when ``path`` cannot be reached
-    at all; everything wrong with the checkpoint itself is a Problem in the report.
+    at all or names no checkpoint (``reader.not_a_checkpoint``: a Checkpointer root, a Hugging
+    Face folder); everything wrong with the checkpoint itself is a Problem in the report.
     """
     if storage is None:
         storage, path = get_storage(path, storage_options)
@@ -166,7 +173,11 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     try:
         commit = read_commit(storage, path)
     except (CheckpointNotFoundError, StorageError):
-        raise  # the path cannot be reached (a COMMITTED that is a directory is a CommitError: a problem)
+        raise  # the path cannot be reached or names no checkpoint (a root, a Hugging Face folder; a
+        # COMMITTED that is a directory, or none next to a manifest, is a CommitError: a problem)
+    except FormatVersionError as e:  # a later version's marker: this reader cannot judge the rest
+        problems.append(Problem(code="format_version", message=str(e), file=COMMITTED_NAME))
+        return done()
     except ShardfmtError as e:
         problems.append(Problem(code="not_committed", message=str(e), file=COMMITTED_NAME))
         commit = None
@@ -189,6 +200,10 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
         return done()
     try:
         manifest = manifest_from_obj(obj, source=MANIFEST_NAME)
+    except FormatVersionError as e:  # a later version's: its digest and fields are not this reader's to judge
+        problems[:] = [p for p in problems if p.code == "not_committed"]
+        problems.append(Problem(code="format_version", message=str(e), file=MANIFEST_NAME))
+        return done()
     except ShardfmtError as e:  # rejected: the schema pass would only repeat it, at a cost
         problems.append(Problem(code="manifest_field", message=str(e), file=MANIFEST_NAME))
         return done()

@@ -1,11 +1,14 @@
 """Checkpointer in one process: exact resume, retention, fallback, compatibility, leases."""
 
+import logging
 import os
+import re
 import time
+import warnings
 
 import pytest
 import torch
-from conftest import flip_byte
+from conftest import as_next_format_version, flip_byte
 
 import shardfmt
 from shardfmt.checkpointer import Checkpointer, CompatibilityError
@@ -625,3 +628,89 @@ def test_a_stored_value_that_does_not_decode_is_the_checkpoints_fault(tmp_path):
     back = {"model": torch.nn.Linear(2, 2), "counter": Counter()}
     with pytest.warns(UserWarning, match="step_000000002 is unusable"):
         assert Checkpointer(root).restore(back) == 1
+
+
+@pytest.mark.parametrize("where", ["manifest", "COMMITTED"])
+def test_a_newer_format_version_stops_restore_and_is_never_quarantined(tmp_path, where):
+    """A newer release's checkpoint is neither usable nor corrupt (spec 2.1, 9): newer than every
+    readable one, restore fails naming both versions and the path (resuming step 200 would throw
+    away step 300's progress) and renames nothing; once it is moved aside, step 200 is resumed."""
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root)
+    m = torch.nn.Linear(2, 2)
+    for s in (100, 200, 300):
+        ck.save(s, {"model": m})
+    newest = os.path.join(root, "step_000000300")
+    as_next_format_version(newest, where)
+    before = sorted(os.listdir(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing "unusable, quarantined"
+        with pytest.raises(shardfmt.FormatVersionError,
+                           match=rf"{re.escape(newest)} \(step 300\): format version 2; this reader supports up "
+                                 r"to 1\..*upgrade shardfmt.*or move it out of"):
+            Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)})
+    assert sorted(os.listdir(root)) == before
+    assert [(i.step, i.status) for i in ck.list()] == [(100, "committed"), (200, "committed"), (300, "unsupported")]
+    assert ck.latest().endswith("step_000000200")
+    os.rename(newest, tmp_path / "aside")
+    assert Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)}) == 200
+
+
+def test_an_older_checkpoint_of_a_newer_format_version_is_passed_over_and_never_removed(tmp_path):
+    """Older than a readable one, it is skipped untouched by restore; retention neither counts
+    it (keep_last=2 keeps two readable ones) nor removes it."""
+    root = str(tmp_path / "run")
+    ck = Checkpointer(root, keep_last=2)
+    m = torch.nn.Linear(2, 2)
+    ck.save(100, {"model": m})
+    as_next_format_version(os.path.join(root, "step_000000100"), "manifest")
+    for s in (200, 300, 400):
+        ck.save(s, {"model": m})
+    assert sorted(os.listdir(root)) == ["step_000000100", "step_000000300", "step_000000400"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)}) == 400
+    assert sorted(os.listdir(root)) == ["step_000000100", "step_000000300", "step_000000400"]
+
+
+def test_a_root_missing_with_its_parent_is_an_error_not_a_fresh_start(tmp_path):
+    """A misspelled root would silently train from step 0: restore and a first save refuse it
+    (naming the missing parent), unless allow_fresh_start, which warns and creates it."""
+    typo = str(tmp_path / "scrach" / "run")
+    m = torch.nn.Linear(2, 2)
+    missing = rf"{re.escape(typo)}: the Checkpointer root does not exist, nor does its parent {re.escape(str(tmp_path / 'scrach'))}"
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing + ".*allow_fresh_start=True"):
+        Checkpointer(typo).restore({"model": m})
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing):
+        Checkpointer(typo).save(1, {"model": m})
+    assert os.listdir(tmp_path) == []
+    ck = Checkpointer(typo, allow_fresh_start=True)
+    with pytest.warns(UserWarning, match=missing + ".*starting from scratch"):
+        assert ck.restore({"model": m}) is None
+    ck.save(1, {"model": m})
+    assert os.listdir(typo) == ["step_000000001"]
+
+
+def test_a_missing_root_under_an_existing_parent_is_a_first_run_logged_at_info(tmp_path, caplog):
+    root = str(tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="shardfmt"):
+        assert Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)}) is None
+    assert [r.levelno for r in caplog.records if root in r.getMessage() and "first run" in r.getMessage()] \
+        == [logging.INFO]
+
+
+@pytest.mark.parametrize("given", ["a step dir", "a step dir not yet saved", "a plain checkpoint"])
+def test_a_checkpoint_given_as_the_root_is_an_error_naming_its_parent(tmp_path, given):
+    root = str(tmp_path / "run")
+    Checkpointer(root).save(100, {"model": torch.nn.Linear(2, 2)})
+    shardfmt.save({"w": torch.ones(2)}, str(tmp_path / "final"))
+    path = {"a step dir": os.path.join(root, "step_000000100"),
+            "a step dir not yet saved": os.path.join(root, "step_000000200"),
+            "a plain checkpoint": str(tmp_path / "final")}[given]
+    before = sorted(os.walk(tmp_path))
+    match = rf"{re.escape(path)}: is a checkpoint, not a Checkpointer root.*pass its parent {re.escape(os.path.dirname(path))}"
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=match):
+        Checkpointer(path).restore({"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=match):
+        Checkpointer(path, allow_fresh_start=True).save(1, {"model": torch.nn.Linear(2, 2)})
+    assert sorted(os.walk(tmp_path)) == before  # nothing written inside a checkpoint

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import as_next_format_version, flip_byte
 from deadline import deadline
 
 import shardfmt
@@ -164,6 +166,105 @@ def test_ls_and_validate_json_hold_names_that_are_not_utf8(tiny, capsys):
     assert shardfmt_main(["validate", os.fsdecode(odd), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["path"].endswith("step_\\xff")
+
+
+def test_ls_shows_a_quarantined_checkpoint_as_quarantined(tmp_path, capsys):
+    root = str(tmp_path / "run")
+    ck = shardfmt.Checkpointer(root)
+    for s in (1, 2):
+        ck.save(s, {"model": torch.nn.Linear(4, 4)})
+    data = os.path.join(root, "step_000000002", "data")
+    f = os.path.join(data, os.listdir(data)[0])
+    flip_byte(f, os.path.getsize(f) - 1)  # a bad byte: found by restore, not by a listing
+    with pytest.warns(UserWarning, match="unusable"):
+        assert shardfmt.Checkpointer(root).restore({"model": torch.nn.Linear(4, 4)}) == 1
+    assert shardfmt_main(["ls", "--json", root]) == 0
+    rows = {r["name"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    (aside,) = set(rows) - {"step_000000001"}
+    assert aside.startswith("step_000000002.corrupt-")
+    assert rows == {"step_000000001": "committed", aside: "quarantined"}
+    assert [i.step for i in ck.list()] == [1] and ck.latest().endswith("step_000000001")
+
+
+# ----------------------------------------------------------------------------- what a path is
+
+
+def _not_a_checkpoint(kind: str, tiny: str, tmp_path) -> str:
+    """A directory holding no COMMITTED, of the given kind."""
+    if kind == "a checkpoint root":
+        return os.path.dirname(tiny)
+    if kind == "an interrupted save":
+        os.remove(os.path.join(tiny, "COMMITTED"))
+        return tiny
+    path = tmp_path / kind.replace(" ", "_")
+    path.mkdir()
+    if kind == "a Hugging Face folder":
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.ones(2, 3)}, str(path / "model.safetensors"))
+        (path / "config.json").write_text("{}")
+    return str(path)
+
+
+WHAT_IT_IS = {  # kind -> (exit status, what every entry point says)
+    "a checkpoint root": (2, "{path}: is a checkpoint root holding step_000000001: pass one of them, "
+                             "e.g. {path}/step_000000001"),
+    "a Hugging Face folder": (2, "{path}: is a Hugging Face model folder, not a shardfmt checkpoint; "
+                                 "`reshard import-hf` converts it"),
+    "an empty directory": (2, "{path}: not a shardfmt checkpoint: no COMMITTED or manifest.json"),
+    "an interrupted save": (1, "{path}: not committed (no COMMITTED marker: an interrupted or in-progress save)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WHAT_IT_IS))
+def test_a_directory_without_committed_is_named_for_what_it_is_by_every_entry_point(tiny, tmp_path, capsys, kind):
+    path = _not_a_checkpoint(kind, tiny, tmp_path)
+    code, msg = WHAT_IT_IS[kind]
+    msg = msg.format(path=path)
+    error = shardfmt.CheckpointNotFoundError if code == 2 else shardfmt.CommitError
+    with pytest.raises(error, match=re.escape(msg)):
+        shardfmt.load({"w": torch.zeros(2, 3)}, path)
+    if code == 2:
+        with pytest.raises(error, match=re.escape(msg)):
+            validate(path)
+    else:
+        assert [(p.code, p.message) for p in validate(path).problems][0] == ("not_committed", msg)
+    dst = str(tmp_path / "out")
+    for main, argv in [(shardfmt_main, ["inspect", path]), (shardfmt_main, ["validate", path]),
+                       (reshard_main, ["plan", path, "--mesh", "tp=2", "--rank", "0"]),
+                       (reshard_main, ["convert", path, dst, "--mesh", "tp=2", "--no-progress"]),
+                       (reshard_main, ["export-hf", path, dst, "--no-progress"])]:
+        rc = _rc(main, argv)
+        out, err = capsys.readouterr()
+        said = out if argv[0] == "validate" and code == 1 else err  # an invalid checkpoint's report
+        assert (rc, msg in said) == (code, True), (argv, rc, out, err)
+        assert said is out or err.count("\n") == 1
+        assert not os.path.exists(dst)
+
+
+@pytest.mark.parametrize("where", ["manifest", "COMMITTED"])
+def test_a_checkpoint_of_a_newer_format_version_is_unreadable_here_never_invalid(tiny, tmp_path, capsys, where):
+    """Spec 9: a version error naming both versions, from every entry point, before any check
+    that would call the checkpoint invalid; validate exits 2 (not judged), never 1."""
+    as_next_format_version(tiny, where)
+    want = "written in format version 2, this reader supports up to 1; upgrade shardfmt to read it"
+    with pytest.raises(shardfmt.FormatVersionError, match=want):
+        shardfmt.load({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, tiny)
+    report = validate(tiny)
+    assert [p.code for p in report.problems] == ["format_version"] and want in report.problems[0].message
+    assert shardfmt_main(["validate", tiny]) == 2
+    assert f"{tiny}: cannot be validated by this release: " in capsys.readouterr().out
+    assert shardfmt_main(["validate", "--json", tiny]) == 2
+    assert [p["code"] for p in json.loads(capsys.readouterr().out)["problems"]] == ["format_version"]
+    dst = str(tmp_path / "out")
+    for main, argv in [(shardfmt_main, ["inspect", tiny]),
+                       (reshard_main, ["plan", tiny, "--mesh", "tp=2", "--rank", "0"]),
+                       (reshard_main, ["convert", tiny, dst, "--mesh", "tp=2", "--no-progress"])]:
+        assert _rc(main, argv) == 2
+        err = capsys.readouterr().err
+        assert "FormatVersionError" in err and want in err and err.count("\n") == 1, (argv, err)
+    assert shardfmt_main(["ls", os.path.dirname(tiny)]) == 0
+    assert "unsupported  (format version 2; this reader supports up to 1)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- pipes and Ctrl-C

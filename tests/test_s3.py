@@ -6,6 +6,7 @@ crossed the wire, not what the client thinks it asked for.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import uuid
 import warnings
 
+import orjson
 import pytest
 import s3fs
 import torch
@@ -444,7 +446,7 @@ def test_bad_credentials_are_refused_with_a_clear_error(auth_server):
     assert auth_server.stats()["requests"] >= 1, "the requests reached the server and were refused there"
 
 
-def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket):
+def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket, capsys):
     root = f"{bucket}/ckpt"
     model = torch.nn.Linear(32, 32)
     with shardfmt.Checkpointer(root, keep_last=2) as ck:
@@ -467,6 +469,9 @@ def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket)
     assert torch.equal(fresh.weight, torch.full((32, 32), 2.0))
     assert [(i.step, i.status) for i in ck.list()] == [(2, "committed"), (3, "quarantined")]
     assert fs.exists(f"{root[5:]}/step_000000003/QUARANTINED")
+    assert shardfmt_main(["ls", "--json", root]) == 0
+    assert {r["name"]: r["status"] for r in orjson.loads(capsys.readouterr().out)} == \
+        {"step_000000002": "committed", "step_000000003": "quarantined"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the quarantined one is not tried again
         assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 2
@@ -540,8 +545,56 @@ def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
     assert shardfmt.validate(f"{bucket}/exp1").ok and fs.exists(f"{bucket[5:]}/models/llama/weights.bin")
     with pytest.raises(StorageError, match="part_size"):
         shardfmt.save({"x": torch.ones(2)}, f"{bucket}/y", storage_options={"part_size": "8MiB"})
-    with pytest.raises(StorageError, match="bucket"):  # a misspelled bucket is not "no checkpoints yet"
-        shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({})
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match="bucket"):  # a misspelled bucket is not "no
+        shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({})  # checkpoints yet"
+
+
+def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, capsys):
+    """Spec 2.1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
+    first run (logged), a missing bucket an error (a warning with allow_fresh_start), a store that
+    does not answer a storage error; a checkpoint given as the root is an error naming its parent,
+    and a root given to load is named for what it is."""
+    m = torch.nn.Linear(4, 4)
+    with caplog.at_level(logging.INFO, logger="shardfmt"):
+        assert shardfmt.Checkpointer(f"{bucket}/fresh").restore({"m": m}) is None
+    assert any(f"{bucket}/fresh" in r.getMessage() and "first run" in r.getMessage() for r in caplog.records)
+    missing = r"s3://no-such-bucket-zz/run: the Checkpointer root does not exist, nor does its bucket s3://no-such-bucket-zz"
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing):
+        shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({"m": m})
+    with pytest.warns(UserWarning, match=missing + ".*starting from scratch"):
+        assert shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL,
+                                     allow_fresh_start=True).restore({"m": m}) is None
+    with pytest.raises(StorageError, match=r"^s3://bkt/run: .*cannot reach"):
+        shardfmt.Checkpointer("s3://bkt/run", allow_fresh_start=True,
+                              storage_options=dict(FAST_FAIL, endpoint_url="http://127.0.0.1:1")).restore({"m": m})
+    root = f"{bucket}/run"
+    ck = shardfmt.Checkpointer(root)
+    for step in (1, 2):
+        ck.save(step, {"m": m})
+    for given in ("step_000000002", "step_000000009"):
+        with pytest.raises(shardfmt.CheckpointNotFoundError, match=f"{root}/{given}: is a checkpoint.*pass its parent {root}$"):
+            shardfmt.Checkpointer(f"{root}/{given}").restore({"m": m})
+    with pytest.raises(shardfmt.CheckpointNotFoundError, match=f"{root}: is a checkpoint root holding step_000000001, "
+                                                               f"step_000000002: pass one of them, e.g. {root}/step_000000002"):
+        shardfmt.load({"m": {"weight": torch.zeros(4, 4)}}, root)
+
+
+def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(server, bucket, capsys):
+    root = f"{bucket}/next"
+    ck = shardfmt.Checkpointer(root)
+    for step in (1, 2):
+        ck.save(step, {"m": torch.nn.Linear(4, 4)})
+    fs = _fs(server)
+    marker = f"{root[5:]}/step_000000002/COMMITTED"
+    commit = orjson.loads(fs.cat_file(marker))
+    fs.pipe_file(marker, orjson.dumps({**commit, "format_version": 2, "manifest_index": {}}))
+    with pytest.raises(shardfmt.FormatVersionError, match=f"{root}/step_000000002 \\(step 2\\): format version 2; "
+                                                          "this reader supports up to 1"):
+        shardfmt.Checkpointer(root).restore({"m": torch.nn.Linear(4, 4)})
+    assert not fs.exists(f"{root[5:]}/step_000000002/QUARANTINED")
+    assert shardfmt_main(["ls", "--json", root]) == 0
+    assert {r["name"]: r["status"] for r in orjson.loads(capsys.readouterr().out)} == \
+        {"step_000000001": "committed", "step_000000002": "unsupported"}
 
 
 def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):

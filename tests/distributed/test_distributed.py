@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import flip_byte
+from conftest import as_next_format_version, flip_byte
 
 import shardfmt
 from tests.distributed.harness import check_all_ok, launch
@@ -224,6 +224,19 @@ def test_corruption_one_rank_sees_makes_every_rank_fall_back(tmp_path):
     for r in restored:
         assert any("step_000000002" in w and shard.file in w and "rank 1" in w for w in r["warnings"]), r
     assert any(n.startswith("step_000000002.corrupt-") for n in os.listdir(root))
+
+
+def test_a_newer_format_version_as_the_newest_checkpoint_stops_every_rank(tmp_path):
+    """Every rank raises FormatVersionError (none resumes step 1 while the others wait), and the
+    newer release's checkpoint is not quarantined."""
+    root = str(tmp_path / "root")
+    check_all_ok(launch("ckpt_two_steps", 2, {"root": root}, out_dir=str(tmp_path / "o")))
+    as_next_format_version(os.path.join(root, "step_000000002"), "manifest")
+    results = launch("ckpt_restore_rows", 2, {"root": root}, out_dir=str(tmp_path / "r"), timeout=120)
+    errors = [(r.returncode, (r.result or {}).get("error", r.stderr[-300:])) for r in results]
+    assert all(rc == 1 and e.startswith("FormatVersionError: ") and "step_000000002 (step 2): format version 2" in e
+               for rc, e in errors), errors
+    assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
 
 
 def test_fsdp2_model_through_the_checkpointer_reshards(tmp_path):
