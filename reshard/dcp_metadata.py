@@ -397,8 +397,8 @@ def _paths(planner_data: Any, keys: set[str]) -> dict[str, tuple[str | int, ...]
     for key in keys:
         path = planner_data[key]
         if (not isinstance(path, tuple) or not path or len(path) > 64
-                or not all(isinstance(p, str) or type(p) is int for p in path)
-                or ".".join(map(str, path)) != key):
+                or not all(isinstance(p, str) or type(p) is int and 0 <= p <= MAX_INT for p in path)
+                or ".".join(map(str, path)) != key):  # (str() of an int past 4300 digits raises)
             return None
         out[key] = path
     return out

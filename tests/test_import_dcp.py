@@ -556,6 +556,14 @@ def test_a_shared_record_with_many_fields_is_read_by_name_on_each_visit():
     assert len(meta.tensors["w"].chunks) == 20_000 <= record_cap(len(payload))
 
 
+def test_planner_paths_with_an_out_of_range_index_are_not_used():
+    md = Metadata(state_dict_metadata={"a.0": BytesStorageMetadata(), "b.1": BytesStorageMetadata()},
+                  storage_data={}, planner_data={"a.0": ("a", 0), "b.1": ("b", 10 ** 5000)})
+    assert parse_metadata(pickle.dumps(md), where="m").paths is None  # the keys are used as they are
+    md.planner_data["b.1"] = ("b", 1)
+    assert parse_metadata(pickle.dumps(md), where="m").paths == {"a.0": ("a", 0), "b.1": ("b", 1)}
+
+
 def test_missing_metadata_missing_or_truncated_distcp_are_named(dcp1, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
