@@ -9,10 +9,14 @@ without leaving anything at the destination.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
+import pickletools
 import shutil
 import struct
+import subprocess
+import sys
 import warnings
 import zipfile
 from fractions import Fraction
@@ -21,17 +25,34 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 import shardfmt
 from reshard import cli
 from reshard.dcp_import import import_dcp, plan_import, rank_of_files
-from reshard.dcp_metadata import DcpChunk, DcpLocation, DcpMetadata, DcpTensor, parse_metadata
+from reshard.dcp_metadata import (
+    DcpChunk,
+    DcpLocation,
+    DcpMetadata,
+    DcpTensor,
+    parse_metadata,
+    record_cap,
+)
 from shardfmt.errors import DcpImportError, StateDictError, UnsafePickleError
+from tests.deadline import deadline
 from tests.distributed.harness import check_all_ok, launch
 from tests.distributed.model import truth
 from tests.distributed.workers import DCP_SHARDED, DCP_VALUES, dcp_full_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -361,6 +382,186 @@ def test_allowed_globals_cannot_be_abused(tmp_path, payload):
     with pytest.raises(DcpImportError):
         parse_metadata(payload, where="x/.metadata")
     assert not hasattr(Metadata, "pwned")
+
+
+# ----------------------------------------------------------------------------- expansion
+# Pickle's memo lets a few bytes name an object again (BINGET): a small .metadata can make
+# the unpickler, or the walk over what it built, do work far beyond its size.
+
+
+def _one_chunk() -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))
+
+
+def _one_tensor(chunks: list) -> TensorStorageMetadata:
+    return TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([1]),
+                                 chunks=chunks)
+
+
+def _shared_chunks() -> bytes:
+    """66 KB: 4,700 state_dict keys name one tensor record whose list repeats one chunk
+    10,000 times: 47 million chunk records once walked."""
+    one = _one_tensor([_one_chunk()] * 10_000)
+    return pickle.dumps(Metadata(state_dict_metadata={f"k{i}": one for i in range(4_700)}, storage_data={}))
+
+
+def _memo_put(opcode: bytes) -> bytes:
+    """9 or 14 bytes that store None at memo index 2**24 (CPython's memo array: 2**25 slots, 256 MiB)."""
+    index = struct.pack("<I", 1 << 24) if opcode == b"r" else b"%d\n" % (1 << 24)
+    return b"\x80\x04N" + opcode + index + b"."
+
+
+def _calls(fn: tuple[str, str], args: bytes, times: int, *, keep: bool, memo: int = 0) -> bytes:
+    """Call the global ``fn`` ``times`` times on one memoised argument tuple, which ``args``
+    pushes (using ``memo`` memo slots of its own); keep the results in a list, or drop each."""
+    head = _u(fn[0]) + _u(fn[1]) + b"\x93\x94" + args + b"\x94"  # memo 0: fn, memo 1 + memo: args
+    call = b"h\x00h" + bytes([1 + memo]) + b"R"  # BINGET fn, BINGET args, REDUCE
+    return _proto4(head, b"](" + call * times + b"e" if keep else (call + b"0") * times + b"N")
+
+
+def _path_parts() -> bytes:
+    """100 KB: 20,000 pathlib paths from one tuple of 250 references to a 200-character part
+    (each was joined into a new 50 KB string: 1 GB)."""
+    part = b"X" + struct.pack("<I", 200) + b"p" * 200 + b"\x940"  # BINUNICODE, memo 1, POP
+    return _calls(("pathlib", "PosixPath"), part + b"(" + b"h\x01" * 250 + b"t", 20_000, keep=True, memo=1)
+
+
+_MEASURED_IMPORT = r"""
+import json, resource, sys, time
+from reshard.dcp_import import METADATA_LIMIT, import_dcp
+from shardfmt.errors import ShardfmtError
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+# a regression fails here instead of taking the machine's memory: 1 GiB more address space
+# than the read of .metadata reserves (read_bytes asks for METADATA_LIMIT + 1 bytes, untouched)
+guard = status("VmSize") + METADATA_LIMIT + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (guard, guard))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) restarts from the current RSS
+before = status("VmRSS")
+start = time.perf_counter()
+try:
+    import_dcp(sys.argv[1], sys.argv[2], trust_pickle=True)
+    error = None
+except ShardfmtError as e:
+    error = f"{type(e).__name__}: {e}"
+print(json.dumps({"seconds": time.perf_counter() - start, "growth": status("VmHWM") - before, "error": error}))
+"""
+
+_EXPANDING = {
+    "shared_chunks": (_shared_chunks, "expands past"),
+    "long_binput_index": (lambda: _memo_put(b"r"), "memo index 16777216"),
+    "put_index": (lambda: _memo_put(b"p"), "memo index 16777216"),
+    "shared_path_parts": (_path_parts, "expands past"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_EXPANDING))
+def test_metadata_that_expands_through_the_memo_is_refused_in_bounded_time_and_memory(dcp1, tmp_path, kind):
+    build, cause = _EXPANDING[kind]
+    src = _copy(dcp1, tmp_path)
+    payload = build()
+    with open(os.path.join(src, ".metadata"), "wb") as f:
+        f.write(payload)
+    dst = str(tmp_path / "dst")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    try:
+        out = subprocess.run([sys.executable, "-c", _MEASURED_IMPORT, src, dst], capture_output=True, text=True,
+                             timeout=60, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"import of a {len(payload)}-byte .metadata still running after 60 s")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"] is not None and got["error"].startswith("DcpImportError: "), got
+    assert got["seconds"] < 2, got
+    assert got["growth"] < 100 << 20, f"RSS grew {got['growth'] / 2**20:.0f} MiB ({got['error']})"
+    assert os.path.join(src, ".metadata") in got["error"] and cause in got["error"], got["error"]
+    if cause == "expands past":
+        assert f"past {record_cap(len(payload))} records" in got["error"]
+    assert _nothing_at(dst)
+
+
+def test_cli_refuses_a_metadata_that_expands_with_one_line(dcp1, tmp_path, capsys):
+    src = _copy(dcp1, tmp_path)
+    with open(os.path.join(src, ".metadata"), "wb") as f:
+        f.write(_shared_chunks())
+    dst = str(tmp_path / "dst")
+    with deadline(10, "import-dcp of a 66 KB .metadata"):
+        rc = cli.main(["import-dcp", src, dst, "--trust-pickle"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"reshard: DcpImportError: {os.path.join(src, '.metadata')}: expands past ")
+    assert _nothing_at(dst)
+
+
+def test_memo_scan_passes_the_memo_of_every_protocol_dcp_metadata_may_use(dcp1):
+    md = pickle.loads(open(os.path.join(dcp1, ".metadata"), "rb").read())  # our own test file
+    for i in range(100):  # past 256 memo entries: protocols 2 and 3 write LONG_BINPUT
+        md.state_dict_metadata[f"extra.{i}"] = BytesStorageMetadata()
+        md.storage_data[MetadataIndex(fqn=f"extra.{i}")] = _StorageInfo(relative_path="__0_0.distcp", offset=i,
+                                                                        length=1)
+    want = parse_metadata(pickle.dumps(md, protocol=4), where="m")
+    assert len(want.values) > 100
+    for protocol in (2, 3, 5):
+        data = pickle.dumps(md, protocol=protocol)
+        assert protocol > 3 or "LONG_BINPUT" in {op.name for op, _, _ in pickletools.genops(data)}
+        assert parse_metadata(data, where="m") == want, protocol
+
+
+def _shared_descriptors() -> bytes:
+    """4,000 storage entries share one location whose descriptor list repeats a string 10,000 times."""
+    info = _StorageInfo(relative_path="__0_0.distcp", offset=0, length=1, transform_descriptors=["x"] * 10_000)
+    return pickle.dumps(Metadata(state_dict_metadata={}, storage_data={
+        MetadataIndex(fqn=f"k{i}"): info for i in range(4_000)}))
+
+
+def _shared_state_fields() -> bytes:
+    """One tensor lists one chunk 20,000 times; that chunk's state has 50,000 more fields."""
+    chunk = _one_chunk()
+    vars(chunk).update((f"f{i}", None) for i in range(50_000))
+    return pickle.dumps(Metadata(state_dict_metadata={"w": _one_tensor([chunk] * 20_000)}, storage_data={}))
+
+
+def _size_of_a_shared_list() -> bytes:
+    """20,000 torch.Size calls on one list of 10,000 dims (each was copied into a new tuple)."""
+    dims = b"](K\x00" + b"2" * 9_999 + b"e\x85"  # a list of 10,000 zeros (DUP), in a 1-tuple
+    return _calls(("torch", "Size"), dims, 20_000, keep=False)
+
+
+def _ordered_dict_of_shared_items() -> bytes:
+    """20,000 OrderedDict calls on one list of 10,000 pairs (each was copied into a new dict)."""
+    pairs = b"](" + b"".join(b"M" + struct.pack("<H", i) + b"N\x86" for i in range(10_000)) + b"e\x85"
+    return _calls(("collections", "OrderedDict"), pairs, 20_000, keep=False)
+
+
+@pytest.mark.parametrize("build, refused", [
+    (_shared_descriptors, "expands past"),
+    (_size_of_a_shared_list, "torch.Size of"),
+    (_ordered_dict_of_shared_items, "OrderedDict called with arguments"),
+], ids=["shared_descriptors", "size_of_a_shared_list", "ordered_dict_of_shared_items"])
+def test_a_shared_object_is_not_rebuilt_for_each_reference(build, refused):
+    payload = build()
+    with deadline(5, f"parse of a {len(payload)}-byte .metadata"), pytest.raises(DcpImportError, match=refused) as e:
+        parse_metadata(payload, where="x/.metadata")
+    assert str(e.value).startswith("x/.metadata: ")
+
+
+def test_a_shared_record_with_many_fields_is_read_by_name_on_each_visit():
+    payload = _shared_state_fields()  # within the cap: 20,000 visits, each reads two of its fields
+    with deadline(5, f"parse of a {len(payload)}-byte .metadata"):
+        meta = parse_metadata(payload, where="x/.metadata")
+    assert len(meta.tensors["w"].chunks) == 20_000 <= record_cap(len(payload))
+
+
+def test_planner_paths_with_an_out_of_range_index_are_not_used():
+    md = Metadata(state_dict_metadata={"a.0": BytesStorageMetadata(), "b.1": BytesStorageMetadata()},
+                  storage_data={}, planner_data={"a.0": ("a", 0), "b.1": ("b", 10 ** 5000)})
+    assert parse_metadata(pickle.dumps(md), where="m").paths is None  # the keys are used as they are
+    md.planner_data["b.1"] = ("b", 1)
+    assert parse_metadata(pickle.dumps(md), where="m").paths == {"a.0": ("a", 0), "b.1": ("b", 1)}
 
 
 def test_missing_metadata_missing_or_truncated_distcp_are_named(dcp1, tmp_path):
