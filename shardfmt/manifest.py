@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from . import hashing
+from . import hashing, jsonscan
 from .dtypes import SUPPORTED_DTYPES, itemsize
 from .errors import FormatVersionError, ManifestError, StateDictError
+from .jsonscan import Budget, Lazy, check_depth, plain
 
 FORMAT_NAME = "shardfmt"
 FORMAT_VERSION = 1
@@ -32,7 +34,6 @@ MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller
 MAX_COMMITTED_BYTES = 1 << 16
 MAX_NDIM = 64
 MAX_STEP = 1 << 62  # the manifest's "step" (spec section 4)
-MAX_DEPTH = 64  # JSON nesting (metadata and values included)
 MAX_DIM = 1 << 53  # JSON-safe integer range
 
 _FILE_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
@@ -300,17 +301,22 @@ def _str(v: Any, where: str, *, max_len: int = 4096) -> str:
 
 
 def _obj(v: Any, where: str) -> dict:
-    if not isinstance(v, dict):
-        raise _fail(where, f"expected an object, got {type(v).__name__}")
+    """An object: parsed, or Lazy (a large one, whose members are parsed as they are walked)."""
+    if not (isinstance(v, dict) or isinstance(v, Lazy) and v.kind == "object"):
+        raise _fail(where, f"expected an object, got {_type_name(v)}")
     return v
 
 
 def _list(v: Any, where: str, *, max_len: int = 1 << 31) -> list:
-    if not isinstance(v, list):
-        raise _fail(where, f"expected a list, got {type(v).__name__}")
+    if not (isinstance(v, list) or isinstance(v, Lazy) and v.kind == "array"):
+        raise _fail(where, f"expected a list, got {_type_name(v)}")
     if len(v) > max_len:
         raise _fail(where, f"a list of {len(v)} entries, at most {max_len} allowed")
     return v
+
+
+def _type_name(v: Any) -> str:
+    return ("object" if v.kind == "object" else "list") if isinstance(v, Lazy) else type(v).__name__
 
 
 def _keys(obj: dict, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
@@ -343,7 +349,7 @@ def parse_file_name(v: Any, where: str) -> str:
     return s
 
 
-def _parse_shard(v: Any, where: str, *, ndim: int, shape: tuple[int, ...], isz: int,
+def _parse_shard(v: Any, where: str, *, name: str, ndim: int, shape: tuple[int, ...], isz: int,
                  files: Mapping[str, FileRecord]) -> ShardRecord:
     o = _obj(v, where)
     _keys(o, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
@@ -370,8 +376,9 @@ def _parse_shard(v: Any, where: str, *, ndim: int, shape: tuple[int, ...], isz: 
                     f"header of {fname}")
     if end > files[fname].size:
         raise _fail(where + ".byte_range", f"[{start}, {end}) is past the end of {fname} ({files[fname].size} bytes)")
-    return ShardRecord(
-        offsets=offsets, lengths=lengths, file=fname, key=_str(o["key"], where + ".key"),
+    key = _str(o["key"], where + ".key")
+    return ShardRecord(  # a file's name and a tensor's name are one string object each, not one per shard
+        offsets=offsets, lengths=lengths, file=sys.intern(fname), key=name if key == name else key,
         byte_range=(start, end), digest=_digest(o["digest"], where + ".digest"),
     )
 
@@ -434,7 +441,7 @@ def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]
         return TensorRecord(dtype=dtype, shape=shape, placement=placement, view=view)
     isz = itemsize(dtype)
     shards = tuple(
-        _parse_shard(s, f"{where}.shards[{i}]", ndim=len(shape), shape=shape, isz=isz, files=files)
+        _parse_shard(s, f"{where}.shards[{i}]", name=name, ndim=len(shape), shape=shape, isz=isz, files=files)
         for i, s in enumerate(_list(o["shards"], where + ".shards"))
     )
     return TensorRecord(dtype=dtype, shape=shape, placement=placement, shards=shards)
@@ -486,54 +493,49 @@ def _parse_topology(v: Any, where: str) -> Topology:
     return Topology(world_size=ws, mesh=tuple(mesh))
 
 
-def _parse_value(v: Any, where: str) -> ValueRecord:
+def _parse_value(v: Any, where: str, budget: Budget) -> ValueRecord:
     o = _obj(v, where)
-    if set(o) == {"value"}:
-        return ValueRecord(value=o["value"])
-    if set(o) == {"per_rank"}:
+    if set(o.keys()) == {"value"}:
+        return ValueRecord(value=plain(o["value"], budget, where, depth=4))
+    if set(o.keys()) == {"per_rank"}:
         pr = _obj(o["per_rank"], where + ".per_rank")
         out = {}
         for k, val in pr.items():
             if not _RANK_KEY_RE.fullmatch(k):
                 raise _fail(where + ".per_rank", f"rank key {k!r} is not a rank number")
-            out[int(k)] = val
+            out[int(k)] = plain(val, budget, f"{where}.per_rank[{k}]", depth=5)
         return ValueRecord(per_rank=out)
     raise _fail(where, "expected {'value': ...} or {'per_rank': {...}}")
 
 
 def parse_manifest(raw: bytes, *, source: str = "manifest.json") -> Manifest:
-    """Parse and check manifest bytes; raise ManifestError/FormatVersionError naming the field."""
+    """Parse and check manifest bytes; raise ManifestError/FormatVersionError naming the field.
+
+    Memory stays within 10 bytes per byte of manifest plus 64 MiB (spec section 12): a manifest
+    larger than ``jsonscan.PIECE_MAX`` is parsed in pieces, each turned into records as it is
+    read, and the typed JSON it keeps (metadata, values) is charged to a budget."""
+    return manifest_from_obj(load_json(raw, source=source), source=source, size=len(raw))
+
+
+def load_json(raw: bytes, *, source: str):
+    """The manifest's JSON: parsed, or Lazy when larger than one piece (its members parsed as
+    they are walked). Refuses a manifest over the size limit before reading it."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{source}: {len(raw)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise ManifestError(f"{source}: not valid JSON ({e})") from None
-    return manifest_from_obj(obj, source=source)
+    return jsonscan.load(raw, source=source)
 
 
-def manifest_from_obj(obj: Any, *, source: str = "manifest.json") -> Manifest:
-    """Check a decoded manifest object, migrating older versions, and return the record."""
+def manifest_from_obj(obj: Any, *, source: str = "manifest.json", size: int | None = None) -> Manifest:
+    """Check a decoded (or Lazy) manifest object, migrating older versions, and return the record.
+
+    ``size``: the manifest's bytes, which set what its kept typed JSON may cost (default: the
+    object serialised)."""
+    budget = Budget.for_document(len(orjson.dumps(obj)) if size is None else size, source)
     obj = migrate(obj, source=source)
     try:
-        return _manifest_fields(obj)
+        return _manifest_fields(obj, budget)
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None
-
-
-def check_depth(obj: Any, *, source: str, limit: int = MAX_DEPTH) -> None:
-    """Refuse JSON nested deeper than ``limit`` (iteratively: no recursion to exhaust)."""
-    if limit < 1:
-        raise ManifestError(f"{source}: JSON nested deeper than {limit} levels")
-    if not isinstance(obj, (dict, list)):
-        return
-    stack = [(obj, 1)]  # only containers are pushed: a scalar sits one level below its container
-    while stack:
-        v, d = stack.pop()
-        items = v.values() if isinstance(v, dict) else v
-        if d > limit or (d == limit and items):
-            raise ManifestError(f"{source}: JSON nested deeper than {limit} levels")
-        stack.extend((x, d + 1) for x in items if isinstance(x, (dict, list)))
 
 
 def newer_version_error(source: str, version: int) -> FormatVersionError:
@@ -543,9 +545,12 @@ def newer_version_error(source: str, version: int) -> FormatVersionError:
 
 
 def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
-    """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions)."""
-    check_depth(obj, source=source)
-    if not isinstance(obj, dict):
+    """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions).
+
+    A Lazy object's pieces are checked for nesting as they are parsed."""
+    if not isinstance(obj, Lazy):
+        check_depth(obj, source=source)
+    if not (isinstance(obj, dict) or isinstance(obj, Lazy) and obj.kind == "object"):
         raise ManifestError(f"{source}: top level must be an object")
     if obj.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -567,16 +572,16 @@ def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
     return obj
 
 
-def _manifest_fields(o: dict) -> Manifest:
+def _manifest_fields(o: dict, budget: Budget) -> Manifest:
     _keys(o, "", {"format", "format_version", "save_id", "step", "created_at", "writer",
                   "hash_algorithm", "chunk_size", "metadata", "topology", "files", "tensors",
                   "storages", "values"})
+    if isinstance(o, Lazy):
+        o = dict(o.items())  # each member once: small ones parsed, large ones Lazy
     if o["hash_algorithm"] != hashing.ALGORITHM:
         raise _fail("hash_algorithm", f"unsupported {o['hash_algorithm']!r}")
     chunk_size = _int(o["chunk_size"], "chunk_size", lo=4096, hi=1 << 30)
-    writer = _obj(o["writer"], "writer")
-    for k, v in writer.items():
-        _str(v, f"writer.{k}", max_len=256)
+    writer = {k: _str(v, f"writer.{k}", max_len=256) for k, v in _obj(o["writer"], "writer").items()}
     files = {parse_file_name(k, f"files[{k!r}]"): _parse_file(v, f"files[{k!r}]")
              for k, v in _obj(o["files"], "files").items()}
     for name, f in files.items():
@@ -623,7 +628,7 @@ def _manifest_fields(o: dict) -> Manifest:
     step = o["step"]
     if step is not None:
         step = _int(step, "step", hi=MAX_STEP)
-    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]")
+    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]", budget)
               for k, v in _obj(o["values"], "values").items()}
     topology = _parse_topology(o["topology"], "topology")
     for name, f in files.items():
@@ -635,7 +640,7 @@ def _manifest_fields(o: dict) -> Manifest:
     return Manifest(
         format_version=o["format_version"], save_id=_str(o["save_id"], "save_id", max_len=128),
         step=step, created_at=_str(o["created_at"], "created_at", max_len=64),
-        writer={k: v for k, v in writer.items()}, chunk_size=chunk_size, metadata=o["metadata"],
+        writer=writer, chunk_size=chunk_size, metadata=plain(o["metadata"], budget, "metadata", depth=2),
         topology=topology, files=files, tensors=tensors,
         storages=storages, values=values,
     )

@@ -14,18 +14,18 @@ with its file and byte range.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from dataclasses import dataclass
 from importlib import resources
-
-import orjson
 
 from reshard.geometry import Box
 from reshard.tiling import tiling_problems
 
 from . import hashing
 from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, manifest_from_obj, migrate
+from .jsonscan import Lazy
+from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, load_json, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
 from .storage import Storage, get_storage
@@ -94,42 +94,55 @@ SCHEMA_SAMPLE = 32  # entries of each map (files, tensors, ...) and of each list
 SCHEMA_VALUE_NODES = 1000  # JSON nodes of one typed-JSON value (metadata, a value) the schema pass sees
 
 
-def schema_sample(obj: dict) -> dict:
-    """A bounded sample of a manifest object for the JSON Schema pass: the top level, the first
-    ``SCHEMA_SAMPLE`` entries of ``files``, ``tensors``, ``storages`` and ``values``, of every
-    record's ``shards`` and ``chunks`` and of ``topology.ranks``, and typed-JSON values of at most
-    ``SCHEMA_VALUE_NODES`` nodes (a larger one is sampled as null). The schema has no minimum
-    sizes above 3, so a sample of a conforming manifest conforms. jsonschema spends ~0.1 ms per
-    node: run over a 490 MB manifest it took hours, and every entry is checked by the field
-    parser and the typed-JSON decoder anyway."""
-    out = dict(obj)
+def schema_sample(obj) -> dict:
+    """A bounded sample of a manifest object (parsed, or Lazy) for the JSON Schema pass: the top
+    level, the first ``SCHEMA_SAMPLE`` entries of ``files``, ``tensors``, ``storages`` and
+    ``values``, of every record's ``shards`` and ``chunks`` and of ``topology.ranks``, and
+    typed-JSON values of at most ``SCHEMA_VALUE_NODES`` nodes (a larger one is sampled as null).
+    The schema has no minimum sizes above 3, so a sample of a conforming manifest conforms.
+    jsonschema spends ~0.1 ms per node: run over a 490 MB manifest it took hours, and every entry
+    is checked by the field parser and the typed-JSON decoder anyway."""
+    out = dict(obj.items())
     for key in ("files", "tensors", "storages", "values"):
-        if isinstance(obj.get(key), dict):
-            out[key] = {k: _sample_record(v) for k, v in list(obj[key].items())[:SCHEMA_SAMPLE]}
-    if "metadata" in obj:
-        out["metadata"] = _small_or_null(obj["metadata"])
-    topo = obj.get("topology")
-    if isinstance(topo, dict) and isinstance(topo.get("ranks"), list):
-        out["topology"] = {**topo, "ranks": topo["ranks"][:SCHEMA_SAMPLE]}
+        if _is_obj(out.get(key)):
+            out[key] = {k: _sample_record(v) for k, v in itertools.islice(out[key].items(), SCHEMA_SAMPLE)}
+    if "metadata" in out:
+        out["metadata"] = _small_or_null(out["metadata"])
+    topo = out.get("topology")
+    if _is_obj(topo):
+        topo = dict(topo.items())
+        if _is_list(topo.get("ranks")):
+            topo["ranks"] = list(itertools.islice(topo["ranks"], SCHEMA_SAMPLE))
+        out["topology"] = topo
     return out
 
 
+def _is_obj(v) -> bool:
+    return isinstance(v, dict) or isinstance(v, Lazy) and v.kind == "object"
+
+
+def _is_list(v) -> bool:
+    return isinstance(v, list) or isinstance(v, Lazy) and v.kind == "array"
+
+
 def _sample_record(rec):
-    if not isinstance(rec, dict):
+    if not _is_obj(rec):
         return rec
-    out = dict(rec)
+    out = dict(rec.items())
     for key in ("shards", "chunks"):
-        if isinstance(rec.get(key), list):
-            out[key] = rec[key][:SCHEMA_SAMPLE]
-    if "value" in rec:
-        out["value"] = _small_or_null(rec["value"])
-    if isinstance(rec.get("per_rank"), dict):
-        out["per_rank"] = {k: _small_or_null(v) for k, v in list(rec["per_rank"].items())[:SCHEMA_SAMPLE]}
+        if _is_list(out.get(key)):
+            out[key] = list(itertools.islice(out[key], SCHEMA_SAMPLE))
+    if "value" in out:
+        out["value"] = _small_or_null(out["value"])
+    if _is_obj(out.get("per_rank")):
+        out["per_rank"] = {k: _small_or_null(v) for k, v in itertools.islice(out["per_rank"].items(), SCHEMA_SAMPLE)}
     return out
 
 
 def _small_or_null(value):
     """``value`` if it has at most SCHEMA_VALUE_NODES JSON nodes, else None (counting stops there)."""
+    if isinstance(value, Lazy):
+        return None
     stack, seen = [value], 0
     while stack:
         v = stack.pop()
@@ -194,12 +207,12 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
             problems.append(Problem(code="manifest_digest", file=MANIFEST_NAME,
                                     message=f"hashes to {got}, COMMITTED records {commit.manifest_digest}"))
     try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        problems.append(Problem(code="manifest_json", message=f"not valid JSON ({e})", file=MANIFEST_NAME))
+        obj = load_json(raw, source=MANIFEST_NAME)
+    except ShardfmtError as e:
+        problems.append(Problem(code="manifest_json", message=str(e), file=MANIFEST_NAME))
         return done()
     try:
-        manifest = manifest_from_obj(obj, source=MANIFEST_NAME)
+        manifest = manifest_from_obj(obj, source=MANIFEST_NAME, size=len(raw))
     except FormatVersionError as e:  # a later version's: its digest and fields are not this reader's to judge
         problems[:] = [p for p in problems if p.code == "not_committed"]
         problems.append(Problem(code="format_version", message=str(e), file=MANIFEST_NAME))
@@ -207,7 +220,9 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     except ShardfmtError as e:  # rejected: the schema pass would only repeat it, at a cost
         problems.append(Problem(code="manifest_field", message=str(e), file=MANIFEST_NAME))
         return done()
-    problems.extend(_schema_problems(migrate(obj)))
+    if isinstance(obj, dict):
+        obj = migrate(obj)
+    problems.extend(_schema_problems(obj))
     if commit is not None and manifest.save_id != commit.save_id:
         problems.append(Problem(code="save_id", file=COMMITTED_NAME,
                                 message=f"save_id {commit.save_id!r} != manifest save_id {manifest.save_id!r}"))

@@ -18,6 +18,7 @@ from deadline import deadline
 from test_bad_input import recommit
 
 import shardfmt
+from shardfmt import hashing
 
 
 def _bad_ndarray(dtype: str = "(-1,)i4", shape=(1,)) -> dict:
@@ -194,3 +195,130 @@ def test_rank_coordinates_are_checked_entry_by_entry(small):
     recommit(small, mutate)
     with pytest.raises(shardfmt.ManifestError, match=r"ranks\[4\]: \[1, 2\] is not rank 4's"):
         shardfmt.load({"w": torch.zeros(3, 4)}, small)
+
+
+# ----------------------------------------------------------------------------- 9. memory per byte
+
+_PEAK_SCRIPT = """
+import json, sys
+import shardfmt
+from shardfmt import hashing
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmHWM", "VmRSS")):
+            yield int(line.split()[1]) * 1024
+out = []
+for path in sys.argv[1:]:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak restarts from here
+    before = list(hwm())[1]
+    try:
+        shardfmt.read_manifest(path)
+        outcome = "ok"
+    except shardfmt.ShardfmtError as e:
+        outcome = type(e).__name__ + ": " + str(e)
+    out.append({"path": path, "growth": list(hwm())[0] - before, "outcome": outcome})
+print(json.dumps(out))
+"""
+
+
+def _open_peaks(paths: list[str]) -> list[dict]:
+    """Open each manifest in one fresh process; the peak RSS growth of each, and what happened."""
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, *paths], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return orjson.loads(out.stdout.strip().splitlines()[-1])
+
+
+JUNK = {  # JSON text that costs the most memory per byte once parsed (22-50x before the bound)
+    "empty_lists": lambda n: [[] for _ in range(n // 3)],
+    "empty_dicts": lambda n: [{} for _ in range(n // 3)],
+    "one_char_strings": lambda n: ["a"] * (n // 4),
+    "floats": lambda n: [1.5] * (n // 4),
+    "small_ints": lambda n: [7] * (n // 2),
+    "distinct_keys": lambda n: {f"k{i}": 0 for i in range(n // 10)},
+    "one_key_dicts": lambda n: [{"a": 0} for _ in range(n // 8)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
+def test_opening_any_manifest_takes_at_most_10_bytes_per_byte_plus_64_mib(tmp_path):
+    """16 MiB of dense JSON in the metadata or a value (before: 22-50x its size while parsing,
+    up to 800 MiB), and a manifest of 300,000 minimal shard records: the peak RSS of opening each
+    stays within the bound the spec states, and the dense ones are refused by name."""
+    base = str(tmp_path / "base")
+    shardfmt.save({"w": torch.zeros(3, 4), "v": 1}, base)
+    paths = []
+    for name, make in JUNK.items():
+        for where in ("metadata", "value"):
+            path = str(tmp_path / f"{name}-{where}")
+            subprocess.run(["cp", "-r", base, path], check=True)
+            junk = make(16 << 20)
+            recommit(path, (lambda o, j=junk: o.update(metadata={"pad": j})) if where == "metadata"
+                     else (lambda o, j=junk: o["values"]["v"].update(value=j)))
+            paths.append(path)
+    shards = str(tmp_path / "shards")
+    _write_minimal_shards(shards, 300_000)
+    paths.append(shards)
+    for r in _open_peaks(paths):
+        size = os.path.getsize(os.path.join(r["path"], "manifest.json"))
+        assert r["growth"] <= 10 * size + (64 << 20), (r["path"], size, r["growth"])
+        if r["path"] == shards:
+            assert r["outcome"] == "ok", r
+        else:
+            assert r["outcome"].startswith("ManifestError") and "would take more than" in r["outcome"], r
+
+
+def _write_minimal_shards(path: str, n: int) -> None:
+    """A committed manifest (no data needed to open it) of one U8 tensor in ``n`` one-byte shards:
+    the shortest shard records the format allows, the most records per byte of manifest."""
+    from shardfmt.manifest import CommitRecord, FileRecord, Manifest, ShardRecord, TensorRecord
+
+    d = "xxh3-128:" + "0" * 32
+    f = FileRecord(rank=0, size=8 + n, header_size=8, header_digest=d, chunks=(d,), digest=d)
+    shards = tuple(ShardRecord(offsets=(i,), lengths=(1,), file="data/a.safetensors", key=f"w@{i}",
+                               byte_range=(8 + i, 9 + i), digest=d) for i in range(n))
+    m = Manifest(save_id="0", created_at="x", chunk_size=1 << 30, files={"data/a.safetensors": f},
+                 tensors={"w": TensorRecord(dtype="U8", shape=(n,), shards=shards)})
+    raw = m.to_json()
+    os.makedirs(path)
+    with open(os.path.join(path, "manifest.json"), "wb") as fh:
+        fh.write(raw)
+    with open(os.path.join(path, "COMMITTED"), "wb") as fh:
+        fh.write(CommitRecord(save_id="0", manifest_digest=hashing.digest_bytes(raw)).to_json())
+
+
+@pytest.mark.parametrize("config", [
+    {"layers": [{"dim": 4096, "act": "silu", "i": i} for i in range(20_000)]},  # ~800 KB of small dicts
+    {"vocab": {f"tok{i}": i for i in range(50_000)}, "notes": "x" * (3 << 20)},  # a 3 MB string: one piece
+], ids=["small-dicts", "vocab-and-long-string"])
+def test_typed_json_within_the_budget_is_kept(small, config):
+    """Honest metadata of a manifest larger than one piece is accepted and comes back whole."""
+    recommit(small, lambda o: o.update(metadata=config))
+    assert shardfmt.read_manifest(small).metadata == config
+
+
+@pytest.mark.parametrize("piece", [64, 512, 4096])
+def test_a_manifest_parsed_in_pieces_is_the_manifest_parsed_whole(tmp_path, monkeypatch, piece):
+    """The bounded parse (members found by a scan, parsed in batches) gives the same records as
+    one parse of the whole text, for a manifest with views, aliases, values and metadata."""
+    from shardfmt import jsonscan
+    from shardfmt.manifest import parse_manifest
+
+    path = str(tmp_path / "ck")
+    base = torch.arange(20, dtype=torch.float32)
+    w = torch.randn(6, 4)
+    state = {"a": base[0:8].view(2, 4), "b": base[4:20].view(4, 4), "w": w, "tied": w,
+             "opt": {"lr": 0.5, "betas": (0.9, 0.999), "names": ["x\\", '"y"', "é"], "n": None},
+             "rank": shardfmt.PerRank({"seed": 3})}
+    shardfmt.save(state, path, step=9, metadata={"cfg": {"nested": [[1, {"k": [2.5, "s"]}]]}, "big": 2 ** 70})
+    with open(os.path.join(path, "manifest.json"), "rb") as f:
+        raw = f.read()
+    whole = parse_manifest(raw)
+    monkeypatch.setattr(jsonscan, "PIECE_MAX", piece)
+    monkeypatch.setattr(jsonscan, "SCAN_BLOCK", 37)
+    assert parse_manifest(raw) == whole
+    out = {"a": torch.zeros(2, 4), "b": torch.zeros(4, 4), "w": torch.zeros(6, 4), "opt": None,
+           "rank": shardfmt.PerRank(None)}
+    shardfmt.load(out, path)
+    assert torch.equal(out["w"], w) and torch.equal(out["b"], base[4:20].view(4, 4))
+    assert out["opt"] == state["opt"] and out["rank"].value == {"seed": 3}
