@@ -322,3 +322,45 @@ def test_a_manifest_parsed_in_pieces_is_the_manifest_parsed_whole(tmp_path, monk
     shardfmt.load(out, path)
     assert torch.equal(out["w"], w) and torch.equal(out["b"], base[4:20].view(4, 4))
     assert out["opt"] == state["opt"] and out["rank"].value == {"seed": 3}
+
+
+_PARSE_PEAK = """
+import json, sys, orjson
+from shardfmt.jsonscan import estimate
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+out = []
+for path in sys.argv[1:]:
+    text = open(path, "rb").read()
+    open("/proc/self/clear_refs", "w").write("5")
+    before = status("VmRSS")
+    value = orjson.loads(text)
+    out.append({"path": path, "peak": status("VmHWM") - before, "estimate": estimate(text)})
+    del value
+print(json.dumps(out))
+"""
+
+MORE_JUNK = {
+    "non_ascii_strings": lambda n: ["\U0001F600" * 3] * (n // 16),
+    "mixed": lambda n: [{"k": [1.5, "ab", None, {}], "é": [[7]]} for _ in range(n // 40)],
+    "long_strings": lambda n: ["x" * 1000] * (n // 1003),
+    "typed_json": lambda n: [{"$tuple": [1, {"$float": "nan"}]} for _ in range(n // 32)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
+def test_the_memory_estimate_bounds_what_parsing_takes(tmp_path):
+    """``jsonscan.estimate`` is what lets a large value be parsed whole: it must never be below
+    the peak memory orjson takes to parse the text (4 MiB of each kind of dense JSON)."""
+    paths = []
+    for name, make in {**JUNK, **MORE_JUNK}.items():
+        path = tmp_path / f"{name}.json"
+        path.write_bytes(orjson.dumps(make(4 << 20)))
+        paths.append(str(path))
+    out = subprocess.run([sys.executable, "-c", _PARSE_PEAK, *paths], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for r in orjson.loads(out.stdout.strip().splitlines()[-1]):
+        assert r["peak"] <= r["estimate"], r
