@@ -449,7 +449,7 @@ def _get(obj: Any, path: tuple) -> Any:
     return obj
 
 
-INTS = [0, 1, -1, 2, 7, 8, 31, 32, 33, 64, 100, 4095, 4096, 4097, 8192, 2**31, 2**32 + 1, 2**53, 2**53 + 1,
+INTS = [0, 1, -1, 2, 7, 8, 31, 32, 33, 64, 100, 4095, 4096, 4097, 8192, 2**24, 2**31, 2**32 + 1, 2**53, 2**53 + 1,
         2**62, 2**62 + 1, 2**63 - 1, -(2**63), 2**64 - 1]
 STRINGS = ["", "x", "../../etc/passwd", "/etc/passwd", "data/../../etc/passwd", "data/rank_00000.safetensors",
            "data/rank_00001.safetensors", "data/rank_00002.safetensors", "data/.hidden.safetensors",
@@ -460,6 +460,8 @@ KEYS = STRINGS[:12] + ["w", "b", "zz", "a.b", "W", "0", "1", "2", "01", "-1", "Â
 OTHERS = [None, True, False, 1.5, -0.0, 1e308, [], {}, [0], {"x": 1}, [[0, 1]], {"$int": "--5"}, {"$int": "Â²"},
           {"$float": "nan"}, {"$ndarray": {"dtype": "(2,3)i4", "shape": [1], "data": "AAAA"}},
           {"$ndarray": {"dtype": "<i4", "shape": [True], "data": "AAAAAA=="}},
+          {"$ndarray": {"dtype": "(-1,)i4", "shape": [1], "data": "AAAAAA=="}},
+          {"$ndarray": {"dtype": "<i4", "shape": [0, 2**47, 2**47], "data": ""}},
           {"$npscalar": {"dtype": "<f8", "data": "AAAAAAAAAAA="}}, {"$dict": [[[1], 2]]}, {"$bytes": "!!"},
           {"$tuple": 5}, {"$unknown": 1}]
 
@@ -545,7 +547,7 @@ def coherent_mutations(draw, obj: dict) -> tuple[dict, str]:
     t = new["tensors"]
     w0, w1 = t["w"]["shards"]
     kind = draw(st.sampled_from(["swap_w_offsets", "swap_w_places", "shift_range", "transpose_b", "retype_s",
-                                 "retype_w", "move_i"]))
+                                 "retype_w", "move_i", "hostile_value", "claimed_world", "split_w"]))
     if kind == "swap_w_offsets":  # the two halves of w trade places in the tensor
         w0["offsets"], w1["offsets"] = w1["offsets"], w0["offsets"]
     elif kind == "swap_w_places":  # ...or trade their files and bytes
@@ -565,6 +567,17 @@ def coherent_mutations(draw, obj: dict) -> tuple[dict, str]:
     elif kind == "move_i":  # point i at the first bytes of w's shard (same file, same length)
         t["i"]["shards"][0]["byte_range"] = [w0["byte_range"][0], w0["byte_range"][0] + 800]
         t["i"]["shards"][0]["digest"] = w0["digest"]
+    elif kind == "hostile_value":  # a well-formed record holding a value that must not decode
+        new["values"]["meta"]["value"]["lr"] = draw(st.sampled_from(OTHERS))
+    elif kind == "claimed_world":  # a world size the manifest merely claims
+        new["topology"].update(world_size=2**24, mesh=[{"name": "world", "size": 2**24}])
+    elif kind == "split_w":  # w's first half claimed as many small shards of the same bytes
+        rows = draw(st.sampled_from([1, 2, 4]))
+        isz, width = 4, 48
+        t["w"]["shards"] = [dict(w0, offsets=[r, 0], lengths=[rows, width], key=f"w@{r},0",
+                                 byte_range=[w0["byte_range"][0] + r * width * isz,
+                                             w0["byte_range"][0] + (r + rows) * width * isz])
+                            for r in range(0, 32, rows)] + [w1]
     return new, f"coherent {kind}"
 
 
