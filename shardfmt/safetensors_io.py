@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import orjson
 
+from . import jsonscan
 from .dtypes import SUPPORTED_DTYPES, itemsize
-from .errors import HeaderError
+from .errors import HeaderError, ManifestError
 
 PREFIX_BYTES = 8
 MAX_HEADER_BYTES = 100_000_000  # the reference implementation's limit
@@ -110,7 +111,9 @@ def decode_origins(metadata: Mapping[str, str], *, source: str) -> dict[str, Sha
     if raw is None:
         raise HeaderError(f"{source}: __metadata__ has no 'shards' entry (not a shardfmt data file?)")
     try:
-        obj = orjson.loads(raw)
+        obj = jsonscan.load(raw.encode(), source=source)  # in pieces when large: entries become records as read
+        if not (isinstance(obj, dict) or isinstance(obj, jsonscan.Lazy) and obj.kind == "object"):
+            raise TypeError
         out = {}
         for k, o in obj.items():
             if not isinstance(o, dict) or set(o) != {"fqn", "offsets", "global_shape"}:
@@ -121,7 +124,7 @@ def decode_origins(metadata: Mapping[str, str], *, source: str) -> dict[str, Sha
                 raise TypeError
             out[k] = ShardOrigin(fqn=fqn, offsets=tuple(offs), global_shape=tuple(shape))
         return out
-    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError):
+    except (ManifestError, AttributeError, KeyError, TypeError):
         raise HeaderError(f"{source}: __metadata__['shards'] is malformed") from None
 
 
@@ -137,17 +140,19 @@ def decode_header(raw: bytes, *, source: str, file_size: int) -> DecodedHeader:
     js = raw[PREFIX_BYTES : PREFIX_BYTES + n]
     if len(js) != n:
         raise HeaderError(f"{source}: header truncated ({len(js)} of {n} bytes)")
-    try:
-        body = orjson.loads(js)
-    except orjson.JSONDecodeError as e:
+    try:  # up to 100 MB of JSON: in pieces when large, so memory stays a few bytes per byte
+        body = jsonscan.load(js, source=source)
+    except ManifestError as e:
         raise HeaderError(f"{source}: header is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
+    if not (isinstance(body, dict) or isinstance(body, jsonscan.Lazy) and body.kind == "object"):
         raise HeaderError(f"{source}: header is not a JSON object")
     data_start = PREFIX_BYTES + n
     out: dict[str, HeaderEntry] = {}
     metadata: dict[str, str] = {}
     for key, info in body.items():
         if key == "__metadata__":
+            if isinstance(info, jsonscan.Lazy) and info.kind == "object":
+                info = dict(info.items())  # large only through its strings ("shards"): parsed one each
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise HeaderError(f"{source}: __metadata__ must map strings to strings")
             metadata = info

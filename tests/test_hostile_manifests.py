@@ -364,3 +364,35 @@ def test_the_memory_estimate_bounds_what_parsing_takes(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     for r in orjson.loads(out.stdout.strip().splitlines()[-1]):
         assert r["peak"] <= r["estimate"], r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
+def test_a_dense_safetensors_header_is_read_within_a_bounded_memory(tmp_path):
+    """A data file's header (up to 100 MB of JSON, re-signed by the author) is parsed in pieces
+    too: 16 MiB of empty lists in a header entry cost 30x while parsing; now the load refuses
+    the header within 10 bytes per byte plus 64 MiB."""
+    from reseal import reseal
+
+    path = str(tmp_path / "ck")
+    shardfmt.save({"w": torch.arange(12, dtype=torch.float32)}, path)
+    name = os.path.join(path, "data", "rank_00000.safetensors")
+    with open(name, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = orjson.loads(data[8:8 + n])
+    header["zz"] = [[] for _ in range((16 << 20) // 3)]
+    js = orjson.dumps(header)
+    js += b" " * (-(8 + len(js)) % 8)
+    with open(name, "wb") as f:
+        f.write(len(js).to_bytes(8, "little") + js + data[8 + n:])
+    reseal(path)
+    script = ("import shardfmt, torch\n" + _PEAK_SCRIPT.split("out = []")[0]
+              + f"open('/proc/self/clear_refs', 'w').write('5'); before = list(hwm())[1]\n"
+              f"try:\n    shardfmt.load({{'w': torch.zeros(12)}}, {path!r}); print('loaded')\n"
+              f"except shardfmt.ShardfmtError as e:\n    print(type(e).__name__, e)\n"
+              f"print(list(hwm())[0] - before)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0].startswith("HeaderError") and "entry must have exactly" in lines[0], out
+    assert int(lines[-1]) <= 10 * len(js) + (64 << 20), lines

@@ -52,6 +52,7 @@ from deadline import deadline
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
+from reseal import recommit, reseal
 
 import shardfmt
 from reshard.geometry import Box, intersect, row_major_strides
@@ -61,10 +62,8 @@ from shardfmt import (
     ShardData,
     ShardedTensor,
     ShardfmtError,
-    hashing,
 )
-from shardfmt.hashing import digest_bytes
-from shardfmt.manifest import COMMITTED_NAME, MANIFEST_NAME, CommitRecord, parse_manifest
+from shardfmt.manifest import MANIFEST_NAME, parse_manifest
 
 CHUNK_SIZE = 4096
 FILES = ("data/rank_00000.safetensors", "data/rank_00001.safetensors")
@@ -340,51 +339,6 @@ def fuzz(strategy, body, examples: int, capsys, what: str) -> Counter:
     return reached
 
 
-def reseal(path: str, save_id: str | None = None) -> None:
-    """Re-sign the checkpoint at ``path`` as its author would after editing it: every listed file
-    that exists gets its size, header size and digest, chunk digests, file digest and its shards'
-    digests recomputed from the bytes on disk (shard byte ranges follow a header that changed
-    length), and COMMITTED vouches for the new manifest. Fields the edit broke are left broken."""
-    mpath = os.path.join(path, MANIFEST_NAME)
-    with open(mpath, "rb") as f:
-        raw = f.read()
-    try:
-        obj = orjson.loads(raw)
-        _reseal_files(path, obj)
-        raw = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) + b"\n"
-    except (orjson.JSONDecodeError, TypeError, KeyError, ValueError, AttributeError):
-        pass  # not a manifest any more: re-sign the bytes as they are
-    with open(mpath, "wb") as f:
-        f.write(raw)
-    recommit(path, raw, save_id if save_id is not None else (obj.get("save_id") if isinstance(obj, dict) else "x"))
-
-
-def _reseal_files(path: str, obj: dict) -> None:
-    chunk = obj["chunk_size"]
-    for name, rec in obj["files"].items():
-        fpath = os.path.join(path, name)
-        if not os.path.isfile(fpath) or not isinstance(rec, dict):
-            continue
-        with open(fpath, "rb") as f:
-            data = f.read()
-        n = int.from_bytes(data[:8], "little") if len(data) >= 8 else None
-        shift = 0
-        if n is not None and 8 + n <= len(data):
-            shift = 8 + n - rec["header_size"]
-            rec["header_size"] = 8 + n
-        chunks = [digest_bytes(data[i:i + chunk]) for i in range(0, len(data), chunk)]
-        rec.update(size=len(data), chunks=chunks, digest=hashing.combine(chunks),
-                   header_digest=digest_bytes(data[:rec["header_size"]]))
-        for table in (obj["tensors"], obj["storages"]):
-            for t in table.values():
-                for sh in t.get("shards", []):
-                    if sh.get("file") != name:
-                        continue
-                    sh["byte_range"] = [sh["byte_range"][0] + shift, sh["byte_range"][1] + shift]
-                    span = hashing.chunk_span(*sh["byte_range"], chunk)
-                    sh["digest"] = hashing.combine(chunks[span.start:span.stop])
-
-
 def flipped_originals(base: dict, file: str, pos: int, mask: int) -> dict[str, torch.Tensor]:
     """The tensors as they are saved once byte ``pos`` of ``file`` is XOR-ed with ``mask``."""
     out = {k: v.clone() for k, v in ORIGINAL.items()}
@@ -412,11 +366,6 @@ def copy_base(base: dict, tmp: str) -> str:
     path = os.path.join(tmp, "ckpt")
     shutil.copytree(base["path"], path)
     return path
-
-
-def recommit(path: str, raw: bytes, save_id: str) -> None:
-    with open(os.path.join(path, COMMITTED_NAME), "wb") as f:
-        f.write(CommitRecord(save_id=save_id, manifest_digest=digest_bytes(raw)).to_json())
 
 
 def write_manifest(path: str, raw: bytes, base: dict, commit: bool) -> None:
