@@ -368,7 +368,7 @@ class _ItemReader:
     def raw(self, loc: DcpLocation, what: str) -> bytes | bytearray:
         reader = self._readers.get(loc.relative_path)
         if reader is None:
-            reader = self._readers[loc.relative_path] = self.storage.open_reader(self.path(loc))
+            reader = self._readers[loc.relative_path] = self.storage.open_reader(self.path(loc), within=self.root)
         buf = bytearray(loc.length)
         if loc.length:
             reader.readinto(loc.offset, [memoryview(buf)])
@@ -471,7 +471,7 @@ def import_dcp(
     refuse_overlap(storage, root, dst, storage_options)
     meta_path = storage.join(root, ".metadata")
     try:
-        data = storage.read_bytes(meta_path, limit=METADATA_LIMIT)
+        data = storage.read_bytes(meta_path, limit=METADATA_LIMIT, within=root)
     except CheckpointNotFoundError:
         raise DcpImportError(f"{src}: no .metadata file: not a torch.distributed.checkpoint directory, or its "
                              "save did not finish (DCP writes .metadata last)") from None
@@ -481,7 +481,7 @@ def import_dcp(
     for (fqn, _), loc in meta.locations.items():
         if loc.relative_path not in sizes:
             try:
-                sizes[loc.relative_path] = storage.size(storage.join(root, loc.relative_path))
+                sizes[loc.relative_path] = storage.size(storage.join(root, loc.relative_path), within=root)
             except CheckpointNotFoundError:
                 raise DcpImportError(f"{storage.join(root, loc.relative_path)}: missing (.metadata stores "
                                      f"{fqn!r} in it)") from None

@@ -39,12 +39,17 @@ DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page ca
 
 
 class _Readers:
-    """Open each file once, check its size against the manifest, share the handle."""
+    """Open each file once, check its size against the manifest, share the handle.
 
-    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord]) -> None:
+    Names resolve under ``root`` through no symbolic link unless ``follow_links`` (spec
+    section 2; ``Executor``)."""
+
+    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
+                 follow_links: bool = False) -> None:
         self._storage = storage
         self._root = root
         self._files = files
+        self._within = None if follow_links else root
         self._open: dict[str, FileReader] = {}
         self._lock = threading.Lock()
 
@@ -56,7 +61,8 @@ class _Readers:
                 # Object stores: trust the manifest's size (a HEAD per file saved); a short
                 # file then fails its ranged read, a changed one its chunk hashes.
                 r = self._storage.open_reader(self._storage.join(self._root, name),
-                                              size=want if self._storage.object_store else None)
+                                              size=want if self._storage.object_store else None,
+                                              within=self._within)
                 if r.size != want:
                     r.close()
                     raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")
@@ -159,12 +165,16 @@ class Executor:
     straight in them go around the page cache where the storage can (``O_DIRECT``), which
     saves the kernel's copy and its page allocations; bytes that other ranks may read too
     stay in the page cache, where they are read from the device once.
+    ``follow_links``: the files under ``root`` may be reached through symbolic links (a
+    Hugging Face folder, never a shardfmt checkpoint: spec section 2).
     """
 
     def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
                  chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
                  workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = (),
-                 bounce: frozenset[int] = frozenset(), sole: frozenset[int] = frozenset()) -> None:
+                 bounce: frozenset[int] = frozenset(), sole: frozenset[int] = frozenset(),
+                 follow_links: bool = False) -> None:
+        self.follow_links = follow_links
         self.bounce = bounce
         self.sole = sole
         self.storage = storage
@@ -183,7 +193,7 @@ class Executor:
         self._free = queue.SimpleQueue()
         for b in self._given:
             self._free.put(b)
-        readers = _Readers(self.storage, self.root, self.files)
+        readers = _Readers(self.storage, self.root, self.files, follow_links=self.follow_links)
         try:
             around = [self._around_cache(r) and readers.get(r.file).direct for r in plan.reads]
             ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)

@@ -609,7 +609,7 @@ def import_hf(
         the_mesh = parse_mesh(mesh)
         topology = Topology(world_size=the_mesh.world_size, mesh=the_mesh.dims)
     layouts, _ = plan_layouts(stored_records(m), the_mesh, rules)
-    source = Source(storage=storage, path=directory, manifest=m, verify=False)
+    source = Source(storage=storage, path=directory, manifest=m, verify=False, follow_links=True)
     metadata = {HF_CONFIG_KEY: cfg} if isinstance(cfg, dict) else None
     try:
         jsonvalue.encode(metadata, where="metadata")

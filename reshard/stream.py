@@ -372,12 +372,15 @@ def check_windows(pieces: Sequence[Piece], windows: Sequence[Window]) -> None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Source:
     """Where slices are read from. ``verify=False`` for plain safetensors files described by
-    an in-memory manifest (no hashes), or when the caller asks."""
+    an in-memory manifest (no hashes), or when the caller asks. ``follow_links``: files
+    under ``path`` may be reached through symbolic links (a Hugging Face folder: the hub
+    cache's snapshots link into its blobs); never a shardfmt checkpoint's (spec section 2)."""
 
     storage: Storage
     path: str
     manifest: Manifest
     verify: bool = True
+    follow_links: bool = False
 
 
 class Sink(Protocol):
@@ -455,7 +458,7 @@ def fill_window(source: Source, pieces: Sequence[Piece], window: Window, buf: to
     plan = plan_load(m, targets, verify=source.verify, max_gap=source.storage.max_gap, max_read=DEFAULT_MAX_READ,
                      bounce=frozenset(bounce), max_bounce_read=buffers.mem.bounce_read)
     Executor(source.storage, source.path, m.files, chunk_size=m.chunk_size, src_dtypes=dts, targets=dsts,
-             workers=buffers.mem.workers, bounce_buffers=buffers.bounce).run(plan)
+             workers=buffers.mem.workers, bounce_buffers=buffers.bounce, follow_links=source.follow_links).run(plan)
 
 
 def run_windows(source: Source, pieces: Sequence[Piece], windows: Sequence[Window], sinks: Mapping[int, Sink],

@@ -489,7 +489,7 @@ def _allocate_view_buffers(ckpt, plan, targets: list[TargetSlice], dsts: list[to
             raise ManifestError(f"{ckpt.path}: {shard.file}: the shards read from it claim more bytes than the "
                                 f"{frec.size - frec.header_size} after its header (shards share bytes; tensor {fqn!r})")
     for name in sorted({shard.file for fqn, shard in plan.shards if fqn in bases}):
-        size = ckpt.storage.size(ckpt.storage.join(ckpt.path, name))
+        size = ckpt.storage.size(ckpt.storage.join(ckpt.path, name), within=ckpt.path)
         if size != m.files[name].size:
             raise IntegrityError(f"{name}: file is {size} bytes, manifest says {m.files[name].size}")
     for i in deferred:

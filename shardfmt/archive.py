@@ -73,7 +73,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
 def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: str, m: Manifest,
                buf: bytearray) -> None:
     frec = m.files[name]
-    reader = src.open_reader(src.join(src_root, name), size=frec.size)
+    reader = src.open_reader(src.join(src_root, name), size=frec.size, within=src_root)
     writer = dst.open_writer(dst.join(dst_root, name))
     hasher = hashing.ChunkHasher(m.chunk_size)
     view = memoryview(buf)

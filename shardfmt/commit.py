@@ -201,7 +201,7 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
         storage.write_bytes(mpath, manifest_bytes, exclusive=not storage.atomic_rename)
     except CheckpointExistsError:
         # ours if a retried PUT's first attempt landed (its reply lost)
-        if storage.read_bytes(mpath, limit=MAX_MANIFEST_BYTES) != manifest_bytes:
+        if storage.read_bytes(mpath, limit=MAX_MANIFEST_BYTES, within=staging) != manifest_bytes:
             raise CheckpointExistsError(f"{storage.url(path)}: another save wrote its manifest here (this save "
                                         "outlived its lease?); nothing of it was replaced") from None
     step("manifest_written")
@@ -218,13 +218,13 @@ def publish(storage: Storage, path: str, staging: str, manifest: Manifest,
         storage.write_bytes(marker, record.to_json(), exclusive=not storage.atomic_rename)
     except CheckpointExistsError:
         # A retried PUT whose first attempt landed (its reply lost) also ends here: ours, then.
-        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES), source=marker) != record:
+        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES, within=staging), source=marker) != record:
             raise CheckpointExistsError(f"{storage.url(path)}: another save committed here first") from None
     step("committed_written")
     if not storage.atomic_rename:
         # Where the store cannot write "only if absent", a racing save could have replaced
         # our marker: read it back, so a save never reports a commit that is not its own.
-        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES), source=marker) != record:
+        if parse_commit(storage.read_bytes(marker, limit=MAX_COMMITTED_BYTES, within=staging), source=marker) != record:
             raise CheckpointExistsError(f"{storage.url(path)}: another save committed here at the same time")
         step("published")
         return record
@@ -287,7 +287,7 @@ def abort_own(storage: Storage, path: str, save_id: str) -> None:
         mine = [n for n in names if is_data_file(n) and n.endswith(tag)]
         if MANIFEST_NAME in names:
             try:
-                raw = storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
+                raw = storage.read_bytes(storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES, within=path)
                 if orjson.loads(raw).get("save_id") == save_id:
                     mine.append(MANIFEST_NAME)
             except (ShardfmtError, ValueError, AttributeError):

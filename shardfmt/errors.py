@@ -34,6 +34,11 @@ class IntegrityError(ShardfmtError):
     """Bytes on storage do not match their recorded size or hash."""
 
 
+class SpecialFileError(IntegrityError):
+    """A file to read is not a regular file (a FIFO, socket, device or directory), or a file of a
+    checkpoint is reached through a symbolic link (spec section 2): refused before it is read."""
+
+
 class CommitError(ShardfmtError):
     """A checkpoint is not committed, or committing one failed."""
 

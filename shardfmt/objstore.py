@@ -40,7 +40,7 @@ from .errors import (
     StorageError,
 )
 from .manifest import LEASE_NAME
-from .storage import PROCESS_IO, IOStats
+from .storage import PROCESS_IO, FileReader, IOStats, LocalStorage
 from .tensor_bytes import BufferFile
 
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"})
@@ -346,7 +346,12 @@ class _MultipartWriter:
 
 
 class FsspecStorage:
-    """Any fsspec filesystem. No atomic rename: the COMMITTED object, written last, commits."""
+    """Any fsspec filesystem. No atomic rename: the COMMITTED object, written last, commits.
+
+    On fsspec's local filesystem (``local://``, and filesystems built on it) files are read,
+    listed and removed as ``LocalStorage`` does: only regular files, opened without blocking
+    and, under a checkpoint, through no symbolic link (spec section 2).
+    """
 
     atomic_rename = False
 
@@ -363,6 +368,12 @@ class FsspecStorage:
         self.lease_seconds = OBJECT_STORE_LEASE_SECONDS
         self.part_size = part_size
         self.write_concurrency = write_concurrency
+        from fsspec.implementations.local import LocalFileSystem
+
+        self._disk: LocalStorage | None = None  # on fsspec's local filesystem: reads, listings, removals
+        if isinstance(fs, LocalFileSystem):
+            self._disk = LocalStorage()
+            self._disk.stats = self.stats
 
     def url(self, path: str) -> str:
         return f"{self.protocol}://{path.lstrip('/')}" if self.protocol not in ("file", "local") else path
@@ -384,11 +395,15 @@ class FsspecStorage:
     def isdir(self, path: str) -> bool:
         return bool(self._call(path, "look up", self.fs.isdir, path))
 
-    def size(self, path: str) -> int:
+    def size(self, path: str, *, within: str | None = None) -> int:
+        if self._disk is not None:
+            return self._disk.size(path, within=within)
         self.stats.add_read(0)
         return int(self._call(path, "stat", self.fs.size, path))
 
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
+    def read_bytes(self, path: str, *, limit: int, within: str | None = None) -> bytes:
+        if self._disk is not None:
+            return self._disk.read_bytes(path, limit=limit, within=within)
         data = self._call(path, "read", self.fs.cat_file, path, start=0, end=limit + 1)
         self.stats.add_read(len(data))
         if len(data) > limit:
@@ -410,7 +425,9 @@ class FsspecStorage:
             return _MultipartWriter(self, path, self.part_size, self.write_concurrency)
         return _StreamWriter(self, path)
 
-    def open_reader(self, path: str, size: int | None = None) -> _Reader:
+    def open_reader(self, path: str, size: int | None = None, *, within: str | None = None) -> FileReader:
+        if self._disk is not None:
+            return self._disk.open_reader(path, within=within)
         return _Reader(self, path, size)
 
     def makedirs(self, path: str) -> None:
@@ -425,6 +442,9 @@ class FsspecStorage:
 
     def remove_tree(self, path: str) -> None:
         """Remove every object under ``path`` (listed literally: never a glob) and ``path`` itself."""
+        if self._disk is not None:
+            self._disk.remove_tree(path)  # links inside are removed, never followed
+            return
         keys = [self.join(path, rel) for rel in self.list_tree(path)]
         try:
             if keys:
@@ -469,8 +489,10 @@ class FsspecStorage:
             pass  # a missed heartbeat shortens the lease; the save itself reports real failures
         return True
 
-    def list_tree(self, path: str) -> list[str]:
+    def list_tree(self, path: str, *, within: str | None = None) -> list[str]:
         """Every object under ``path``, as paths relative to it."""
+        if self._disk is not None:
+            return self._disk.list_tree(path, within=within)
         base = path.rstrip("/") + "/"
         try:
             found = self.fs.find(path)
@@ -549,7 +571,7 @@ def read_lease(storage, path: str) -> dict:
     """The LEASE object under ``path`` as a dict ({} when unreadable); CheckpointNotFoundError
     when there is none."""
     try:
-        info = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096))
+        info = orjson.loads(storage.read_bytes(storage.join(path, LEASE_NAME), limit=4096, within=path))
     except (ValueError, IntegrityError):
         return {}
     return info if isinstance(info, dict) else {}

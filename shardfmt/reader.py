@@ -17,6 +17,7 @@ from .errors import (
     HeaderError,
     IntegrityError,
     ShardfmtError,
+    SpecialFileError,
     StorageError,
 )
 from .manifest import (
@@ -58,23 +59,25 @@ def resolve_path(storage: Storage, path: str) -> str:
     raise CheckpointNotFoundError(f"{path}: no checkpoint there")
 
 
-def _read_member(storage: Storage, path: str, *, limit: int) -> bytes:
-    """Read a checkpoint's own file; one that is a directory makes the checkpoint invalid (not
-    a storage failure)."""
+def _read_member(storage: Storage, path: str, name: str, *, limit: int) -> bytes:
+    """Read the file ``name`` of the checkpoint at ``path``: a regular file reached through no
+    link (spec section 2); anything else makes the checkpoint invalid (SpecialFileError, not a
+    storage failure)."""
+    full = storage.join(path, name)
     try:
-        return storage.read_bytes(path, limit=limit)
-    except CheckpointNotFoundError:
+        return storage.read_bytes(full, limit=limit, within=path)
+    except (CheckpointNotFoundError, SpecialFileError):
         raise
     except StorageError:
-        if storage.isdir(path):
-            raise CommitError(f"{storage.url(path)}: is a directory, not a file: not a valid checkpoint") from None
+        if storage.isdir(full):  # a store that does not tell a directory apart (fsspec)
+            raise SpecialFileError(f"{storage.url(full)}: is a directory, not a regular file") from None
         raise
 
 
 def read_commit(storage: Storage, path: str) -> CommitRecord:
     marker = storage.join(path, COMMITTED_NAME)
     try:
-        raw = _read_member(storage, marker, limit=MAX_COMMITTED_BYTES)
+        raw = _read_member(storage, path, COMMITTED_NAME, limit=MAX_COMMITTED_BYTES)
     except CheckpointNotFoundError:
         if not storage.atomic_rename and not storage.exists(path):
             raise CheckpointNotFoundError(f"{storage.url(path)}: no checkpoint there") from None
@@ -103,7 +106,7 @@ def not_a_checkpoint(storage: Storage, path: str) -> ShardfmtError:
 
 def read_manifest_bytes(storage: Storage, path: str) -> bytes:
     try:
-        return _read_member(storage, storage.join(path, MANIFEST_NAME), limit=MAX_MANIFEST_BYTES)
+        return _read_member(storage, path, MANIFEST_NAME, limit=MAX_MANIFEST_BYTES)
     except CheckpointNotFoundError:
         raise CommitError(f"{storage.url(path)}: {MANIFEST_NAME} is missing") from None
 
@@ -163,7 +166,8 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
 def _check_file_header(storage: Storage, path: str, manifest: Manifest, name: str,
                        shards: list[tuple[str, ShardRecord]]) -> None:
     frec = manifest.files[name]
-    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.object_store else None)
+    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.object_store else None,
+                                 within=path)
     try:
         if reader.size != frec.size:
             raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")

@@ -14,7 +14,13 @@ import time
 from dataclasses import dataclass
 
 from .commit import is_data_file, is_save_leftover
-from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from .errors import (
+    CheckpointNotFoundError,
+    FormatVersionError,
+    ShardfmtError,
+    SpecialFileError,
+    StorageError,
+)
 from .manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
 from .retention import is_quarantined_dir, lease_expired, parse_step_dir
 from .storage import Storage
@@ -60,9 +66,11 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     m = ckpt.manifest
     for fname, f in m.files.items():
         try:
-            size = storage.size(storage.join(path, fname))
+            size = storage.size(storage.join(path, fname), within=path)
         except CheckpointNotFoundError:
             return "corrupt", m.step, None, f"{fname} is missing"
+        except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
+            return "corrupt", m.step, None, str(e)
         if size != f.size:
             return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
     return "committed", m.step, sum(f.size for f in m.files.values()), ""
@@ -167,11 +175,14 @@ def newest_committed(storage: Storage, root: str) -> str | None:
 _STAGING_RE = re.compile(r".+\.tmp-[0-9a-f]{16}")  # <name>.tmp-<save id> (spec section 2)
 
 
-def _is_staging_dir(storage: Storage, name: str, path: str) -> bool:
-    """Whether ``path`` is a local save's staging dir: its name, and nothing in it but what a save writes."""
+def _is_staging_dir(storage: Storage, root: str, name: str) -> bool:
+    """Whether ``root/name`` is a local save's staging dir: its name, and nothing in it but what
+    a save writes: a real directory (not a link) of regular files with a save's names
+    (``list_tree`` refuses a link, FIFO or device anywhere in it: then it is kept)."""
+    path = storage.join(root, name)
     if not _STAGING_RE.fullmatch(name) or not storage.isdir(path):
         return False
-    return all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in storage.list_tree(path))
+    return all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in storage.list_tree(path, within=root))
 
 
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
@@ -193,7 +204,7 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
                     states[name] = "committed"  # retention's business, never gc's
                 elif not storage.atomic_rename and not is_save_leftover(storage, path):
                     states[name] = "keep"  # not what a save writes: not ours to remove
-                elif storage.atomic_rename and not _is_staging_dir(storage, name, path):
+                elif storage.atomic_rename and not _is_staging_dir(storage, root, name):
                     states[name] = "keep"  # "notes.tmp-2024.txt", "photos.tmp-backup/": a user's, not a save's
                 else:
                     states[name] = "dead" if lease_expired(storage.mtime(path), now, lease) else "keep"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Protocol
 import orjson
 
 from .aligned import DIRECT_ALIGN
-from .errors import CheckpointNotFoundError, IntegrityError, StorageError
+from .errors import CheckpointNotFoundError, IntegrityError, SpecialFileError, StorageError
 
 
 @dataclass
@@ -90,7 +91,12 @@ class FileReader(Protocol):
 
 
 class Storage(Protocol):
-    """What the format needs from a storage backend. Paths are full paths or URLs."""
+    """What the format needs from a storage backend. Paths are full paths or URLs.
+
+    The reads (``size``, ``read_bytes``, ``open_reader``, ``list_tree``) take only regular
+    files, never blocking on anything else; ``within`` names a checkpoint above ``path``,
+    below which no name is resolved through a symbolic link (spec section 2).
+    """
 
     stats: IOStats
     atomic_rename: bool
@@ -104,11 +110,11 @@ class Storage(Protocol):
     def join(self, base: str, *parts: str) -> str: ...
     def exists(self, path: str) -> bool: ...
     def isdir(self, path: str) -> bool: ...
-    def size(self, path: str) -> int: ...
-    def read_bytes(self, path: str, *, limit: int) -> bytes: ...
+    def size(self, path: str, *, within: str | None = None) -> int: ...
+    def read_bytes(self, path: str, *, limit: int, within: str | None = None) -> bytes: ...
     def write_bytes(self, path: str, data: bytes, *, sync: bool = True, exclusive: bool = False) -> None: ...
     def open_writer(self, path: str) -> FileWriter: ...
-    def open_reader(self, path: str, size: int | None = None) -> FileReader: ...
+    def open_reader(self, path: str, size: int | None = None, *, within: str | None = None) -> FileReader: ...
     def makedirs(self, path: str) -> None: ...
     def listdir(self, path: str) -> list[str]: ...
     def remove_tree(self, path: str) -> None: ...
@@ -119,7 +125,7 @@ class Storage(Protocol):
     def mtime(self, path: str) -> float: ...
     def drop_lease(self, path: str) -> None: ...
     def take_lease(self, path: str, owner: str = "") -> None: ...
-    def list_tree(self, path: str) -> list[str]: ...
+    def list_tree(self, path: str, *, within: str | None = None) -> list[str]: ...
 
 
 def _storage_error(path: str, e: OSError, what: str) -> StorageError:
@@ -129,6 +135,101 @@ def _storage_error(path: str, e: OSError, what: str) -> StorageError:
 
 
 # ----------------------------------------------------------------------------- local disk
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer; O_NOCTTY: a
+# terminal device never becomes the process's controlling terminal
+_OPEN_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | _CLOEXEC
+_OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+# a directory only looked up through (O_PATH: no read permission needed, nothing opened for reading)
+_WALK_DIR = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISREG, "a regular file"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, *, within: str | None = None) -> tuple[int, os.stat_result]:
+    """Open the regular file ``path`` for reading; return its descriptor and ``fstat``.
+
+    The open never blocks (``O_NONBLOCK``: a FIFO's open returns at once) and reads nothing;
+    anything but a regular file (FIFO, socket, device, directory) is refused, before a byte
+    is read, with a SpecialFileError naming the path and what it is. ``within`` is a
+    directory above ``path`` (a checkpoint): each name below it is opened relative to the
+    directory before it, following no symbolic link (``O_NOFOLLOW``), so a link anywhere
+    under ``within`` is refused, and one swapped in later cannot redirect the open; ``within``
+    itself may be a link. Without ``within`` (files of other formats) links are followed.
+    """
+    try:
+        fd = os.open(path, _OPEN_READ) if within is None else _open_below(within, path)
+    except OSError as e:
+        raise _refusal(path, within, e) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecialFileError(f"{path}: is {_kind(st.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _names_below(within: str, path: str) -> list[str]:
+    rel = os.path.relpath(path, within)
+    names = rel.split(os.sep)
+    if rel == "." or ".." in names:
+        raise ValueError(f"{path} is not below {within}")
+    return names
+
+
+def _open_below(within: str, path: str, *, flags: int = _OPEN_READ) -> int:
+    """Open ``path`` one name at a time from the directory ``within``, following no link."""
+    names = _names_below(within, path)
+    dfd = os.open(within, _WALK_DIR)
+    try:
+        for name in names[:-1]:
+            sub = os.open(name, _WALK_DIR | _NOFOLLOW, dir_fd=dfd)
+            os.close(dfd)
+            dfd = sub
+        return os.open(names[-1], flags | _NOFOLLOW, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _refusal(path: str, within: str | None, e: OSError) -> StorageError | SpecialFileError:
+    """The error for a failed open of ``path``: SpecialFileError naming the name on the way that
+    is a link or not a directory (ELOOP, ENOTDIR) or a socket (ENXIO), else a storage error."""
+    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+        names = _names_below(within, path) if within is not None else [path]
+        at = within or ""
+        for k, name in enumerate(names):
+            at = os.path.join(at, name)
+            try:
+                mode = os.lstat(at).st_mode if within is not None else os.stat(at).st_mode
+            except OSError:
+                break
+            last = k == len(names) - 1
+            if stat.S_ISLNK(mode):
+                return SpecialFileError(f"{at}: is a symbolic link; the files of a checkpoint are read only by "
+                                        f"their own names under {within}, never through a link")
+            if not stat.S_ISREG(mode) if last else not stat.S_ISDIR(mode):
+                want = "a regular file" if last else "a directory"
+                return SpecialFileError(f"{at}: is {_kind(mode)}, not {want}")
+    return _storage_error(path, e, "open")
+
+
+def _reopen_direct(fd: int, flags: int) -> int:
+    """A second, ``O_DIRECT`` handle on the file open as ``fd``: reopened through
+    ``/proc/self/fd``, which names the open file itself, not a path (a name swapped for a link
+    since ``fd`` was opened cannot redirect it). OSError where there is no ``/proc`` or the
+    filesystem refuses direct I/O."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | _CLOEXEC)
+
 
 _libc = None
 
@@ -241,7 +342,7 @@ class _LocalWriter:
         if not direct_io_enabled():
             return False
         try:
-            self._dfd = os.open(self._path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            self._dfd = _reopen_direct(self._fd, os.O_WRONLY)
         except OSError:
             return False
         self._direct = True
@@ -294,19 +395,18 @@ class _LocalWriter:
 
 
 class _LocalReader:
+    """Ranged reads of one regular file, opened once (``open_regular``: ``within`` as there)."""
+
     __slots__ = ("_fd", "_dfd", "_direct", "_lock", "_path", "_stats", "size")
 
-    def __init__(self, path: str, stats: IOStats) -> None:
+    def __init__(self, path: str, stats: IOStats, *, within: str | None = None) -> None:
         self._path = path
         self._stats = stats
         self._dfd: int | None = None  # the O_DIRECT handle, opened at the first block read
         self._direct = direct_io_enabled()
         self._lock = threading.Lock()
-        try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            self.size = os.fstat(self._fd).st_size
-        except OSError as e:
-            raise _storage_error(path, e, "open") from None
+        self._fd, st = open_regular(path, within=within)
+        self.size = st.st_size
 
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
         want = sum(len(b) for b in buffers)
@@ -331,11 +431,12 @@ class _LocalReader:
     @property
     def direct(self) -> bool:
         """Whether ``read_block`` goes around the page cache (``O_DIRECT``): the handle is
-        opened at the first question (False where the filesystem refuses it)."""
+        opened at the first question, on the file already open (False where the filesystem
+        refuses it)."""
         with self._lock:
             if self._dfd is None and self._direct:
                 try:
-                    self._dfd = os.open(self._path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+                    self._dfd = _reopen_direct(self._fd, os.O_RDONLY)
                 except OSError:
                     self._direct = False
         return self._direct
@@ -393,15 +494,15 @@ class LocalStorage:
     def isdir(self, path: str) -> bool:
         return os.path.isdir(path)
 
-    def size(self, path: str) -> int:
-        try:
-            return os.stat(path).st_size
-        except OSError as e:
-            raise _storage_error(path, e, "stat") from None
+    def size(self, path: str, *, within: str | None = None) -> int:
+        fd, st = open_regular(path, within=within)
+        os.close(fd)
+        return st.st_size
 
-    def read_bytes(self, path: str, *, limit: int) -> bytes:
+    def read_bytes(self, path: str, *, limit: int, within: str | None = None) -> bytes:
+        fd, _ = open_regular(path, within=within)
         try:
-            with open(path, "rb") as f:
+            with open(fd, "rb") as f:
                 data = f.read(limit + 1)
         except OSError as e:
             raise _storage_error(path, e, "read") from None
@@ -422,8 +523,8 @@ class LocalStorage:
     def open_writer(self, path: str) -> _LocalWriter:
         return _LocalWriter(path, self.stats)
 
-    def open_reader(self, path: str, size: int | None = None) -> _LocalReader:
-        return _LocalReader(path, self.stats)
+    def open_reader(self, path: str, size: int | None = None, *, within: str | None = None) -> _LocalReader:
+        return _LocalReader(path, self.stats, within=within)
 
     def makedirs(self, path: str) -> None:
         try:
@@ -438,6 +539,8 @@ class LocalStorage:
             raise _storage_error(path, e, "list") from None
 
     def remove_tree(self, path: str) -> None:
+        """Remove ``path``: a directory with all in it (``shutil.rmtree`` removes the links it
+        holds without following them), or a file or link itself (never what it points at)."""
         import shutil
 
         if os.path.isdir(path) and not os.path.islink(path):
@@ -477,10 +580,26 @@ class LocalStorage:
     def take_lease(self, path: str, owner: str = "") -> None:
         pass  # a staging dir is the save's own (its name holds the save id)
 
-    def list_tree(self, path: str) -> list[str]:
-        out = []
-        for d, _, files in os.walk(path):
-            out += [os.path.relpath(os.path.join(d, f), path) for f in files]
+    def list_tree(self, path: str, *, within: str | None = None) -> list[str]:
+        """Every file under ``path``, relative to it ([] when ``path`` does not exist or is a
+        file). Walked through directory descriptors, following no link: SpecialFileError at
+        the first entry that is neither a regular file nor a directory (a link, FIFO, socket or
+        device; no save writes one). ``within``: ``path``'s own names below it are not followed
+        either."""
+        try:
+            fd = _open_below(within, path, flags=_OPEN_DIR) if within is not None else os.open(path, _OPEN_DIR)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return []
+            refused = _refusal(path, within, e)
+            if e.errno == errno.ENOTDIR and not isinstance(refused, SpecialFileError):
+                return []  # a regular file: nothing under it
+            raise refused from None
+        out: list[str] = []
+        try:
+            _walk(fd, path, "", out)
+        finally:
+            os.close(fd)
         return sorted(out)
 
     def sync_dir(self, path: str) -> None:
@@ -494,6 +613,34 @@ class LocalStorage:
             pass  # some filesystems refuse fsync on directories; the data files are synced
         finally:
             os.close(fd)
+
+
+def _walk(dfd: int, top: str, rel: str, out: list[str]) -> None:
+    """Add the files under the directory open as ``dfd`` (``top/rel``) to ``out`` (see
+    ``list_tree``); an entry removed while it is listed (another process cleaning up) is skipped."""
+    try:
+        with os.scandir(dfd) as it:
+            entries = list(it)
+    except OSError as e:
+        raise _storage_error(os.path.join(top, rel), e, "list") from None
+    for entry in entries:
+        name = os.path.join(rel, entry.name)
+        try:
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                sub = os.open(entry.name, _OPEN_DIR | _NOFOLLOW, dir_fd=dfd)
+                try:
+                    _walk(sub, top, name, out)
+                finally:
+                    os.close(sub)
+                continue
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise _refusal(os.path.join(top, name), top, e) from None
+        if not stat.S_ISREG(mode):
+            raise SpecialFileError(f"{os.path.join(top, name)}: is {_kind(mode)}, not a regular file")
+        out.append(name)
 
 
 def parse_storage_options(raw: str | None) -> dict | None:

@@ -23,7 +23,13 @@ from reshard.geometry import Box
 from reshard.tiling import tiling_problems
 
 from . import hashing
-from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from .errors import (
+    CheckpointNotFoundError,
+    FormatVersionError,
+    ShardfmtError,
+    SpecialFileError,
+    StorageError,
+)
 from .jsonscan import Lazy
 from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, load_json, manifest_from_obj, migrate
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
@@ -187,7 +193,7 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
         commit = read_commit(storage, path)
     except (CheckpointNotFoundError, StorageError):
         raise  # the path cannot be reached or names no checkpoint (a root, a Hugging Face folder; a
-        # COMMITTED that is a directory, or none next to a manifest, is a CommitError: a problem)
+        # COMMITTED that is a FIFO, a link or a directory, or none next to a manifest, is a problem)
     except FormatVersionError as e:  # a later version's marker: this reader cannot judge the rest
         problems.append(Problem(code="format_version", message=str(e), file=COMMITTED_NAME))
         return done()
@@ -284,7 +290,10 @@ def _check_files(storage: Storage, path: str, m: Manifest, problems: list[Proble
                                     message="file digest does not derive from its chunk digests"))
         full = storage.join(path, name)
         try:
-            reader = storage.open_reader(full)
+            reader = storage.open_reader(full, within=path)
+        except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
+            problems.append(Problem(code="special_file", file=name, message=str(e)))
+            continue
         except ShardfmtError as e:
             problems.append(Problem(code="file_missing", file=name, message=str(e)))
             continue

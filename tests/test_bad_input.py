@@ -278,12 +278,12 @@ def test_a_directory_where_the_checkpoint_has_a_file_is_an_invalid_checkpoint(sa
     path, _ = saved
     os.remove(os.path.join(path, member))
     os.mkdir(os.path.join(path, member))
-    with pytest.raises(shardfmt.CommitError, match=f"{member}: is a directory, not a file"):
+    with pytest.raises(shardfmt.SpecialFileError, match=f"{member}: is a directory, not a regular file"):
         load_w(path)
     assert main(["inspect", path]) == 1
     assert reshard_main(["convert", path, path + "-out", "--mesh", "dp=1"]) == 1
     err = capsys.readouterr().err
-    assert err.count("is a directory, not a file") == 2 and "Traceback" not in err
+    assert err.count("is a directory, not a regular file") == 2 and "Traceback" not in err
     assert not os.path.exists(path + "-out")
 
 

@@ -434,10 +434,10 @@ def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_p
     ck.save(2, {"model": m})
     real = LocalStorage.read_bytes
 
-    def flaky(self, path, *, limit):
+    def flaky(self, path, *, limit, **kw):
         if "step_000000002" in path:
             raise shardfmt.StorageError(f"{path}: read failed: Connection reset by peer")
-        return real(self, path, limit=limit)
+        return real(self, path, limit=limit, **kw)
 
     monkeypatch.setattr(LocalStorage, "read_bytes", flaky)
     with pytest.raises(shardfmt.StorageError, match="Connection reset"):
