@@ -15,7 +15,7 @@ What the caller keeps as plain JSON (free-form typed JSON: metadata, values) is 
 is parsed; the records the caller builds from the rest are bounded by their own structure.
 
 Trade-off: a split container's bytes are scanned once more (numpy, in the order of 1 GB/s) on
-top of the parse, and its member positions are kept (4 bytes each); a document of at most
+top of the parse, and its member positions are kept (8 bytes each); a document of at most
 ``PIECE_MAX`` bytes is parsed in one call as before. Splitting a document into its members and
 parsing each with orjson accepts exactly the valid JSON: every piece is checked by orjson and
 the bytes between pieces by the scan.
