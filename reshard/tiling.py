@@ -109,14 +109,14 @@ def _locate(boxes: list[Box], region: Box, limit: int) -> list[str]:
     stack = [(boxes, region)]
     while stack and len(problems) < limit and budget > 0:
         group, reg = stack.pop()
-        budget -= len(group)
         if not group:
             problems.append(f"region {_describe(reg)} is not covered by any slice")
         elif len(group) == 1:
             if group[0] != reg:
                 problems.append(f"slice {_describe(group[0])} leaves part of {_describe(reg)} uncovered")
         else:
-            pieces = _split(group, reg)
+            pieces, sorts = _split(group, reg)
+            budget -= len(group) * sorts  # one sort per dim tried
             if pieces is None:
                 budget = _pairwise(group, reg, problems, limit, budget)
             else:
@@ -124,10 +124,15 @@ def _locate(boxes: list[Box], region: Box, limit: int) -> list[str]:
     return problems[:limit]
 
 
-def _split(group: list[Box], reg: Box) -> list[tuple[list[Box], Box]] | None:
+def _split(group: list[Box], reg: Box) -> tuple[list[tuple[list[Box], Box]] | None, int]:
     """Cut ``reg`` along the first dim where some position inside it is straddled by no box:
-    at every such position (and around every gap) at once. None when no dim has one."""
+    at every such position (and around every gap) at once (None when no dim has one); and how
+    many dims were sorted to find it."""
+    sorts = 0
     for d in range(reg.ndim):
+        if reg.lengths[d] < 2:
+            continue  # nothing to cut
+        sorts += 1
         order = sorted(group, key=lambda b: b.offsets[d])
         lo, hi = reg.offsets[d], reg.offsets[d] + reg.lengths[d]
         cuts: list[int] = []
@@ -154,8 +159,8 @@ def _split(group: list[Box], reg: Box) -> list[tuple[list[Box], Box]] | None:
             piece = Box(reg.offsets[:d] + (a,) + reg.offsets[d + 1:],
                         reg.lengths[:d] + (z - a,) + reg.lengths[d + 1:])
             pieces.append((members, piece))
-        return pieces
-    return None
+        return pieces, sorts
+    return None, sorts
 
 
 def _pairwise(group: list[Box], reg: Box, problems: list[str], limit: int, budget: int) -> int:

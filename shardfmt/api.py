@@ -276,6 +276,7 @@ def load(
     dsts: list[torch.Tensor] = []
     src_dtypes: list[torch.dtype] = []
     posts: list[_Post] = []
+    views: dict[str, list[tuple[str, torch.Tensor, ViewRecord, tuple[int, ...], int]]] = {}  # base -> its views
     pending_values: list[tuple[Leaf, Any]] = []
     absent: list[Leaf] = []
     kept: dict[str, Any] = {}  # IfSaved leaves the checkpoint holds: fqn -> tensor, or value once read
@@ -308,7 +309,7 @@ def load(
             if rec.view is not None:
                 if len(pieces) != 1:
                     raise StateDictError(f"{leaf.fqn}: a tensor stored as a view of a shared buffer loads only whole")
-                _plan_view(leaf.fqn, rec, m, pieces[0][0], pieces[0][1], targets, dsts, src_dtypes, posts)
+                _add_view(views, leaf.fqn, rec, pieces[0][0], pieces[0][1])
                 continue
             for view, box in pieces:
                 _check_writable(leaf.fqn, view)
@@ -336,6 +337,7 @@ def load(
             else:
                 pending_values.append((leaf, jsonvalue.decode_stored(rec.value, where=leaf.fqn, source=ckpt.path)))
             loaded.append(leaf.fqn)
+    _plan_views(views, m, targets, dsts, src_dtypes, posts)
     _check_absent(absent, m, ckpt.path)
     missing = [leaf.fqn for leaf in absent if leaf.within is None]
     if missing and strict:
@@ -455,19 +457,29 @@ def _sharing_memory(tensors: list[torch.Tensor], indices: list[int]) -> frozense
     return frozenset(out)
 
 
-def _plan_view(fqn, rec, m: Manifest, dst, box: Box, targets, dsts, src_dtypes, posts) -> None:
+def _add_view(views: dict, fqn: str, rec, dst: torch.Tensor, box: Box) -> None:
+    """Note a target stored as a view of a storage: (name, target, view, shape, extent in elements)."""
     if box != Box.full(rec.shape):
         raise StateDictError(f"{fqn}: a tensor stored as a view of a shared buffer loads only whole")
-    view = rec.view
-    lo = view.storage_offset
-    extent = 1 + sum((n - 1) * s for n, s in zip(rec.shape, view.stride)) if dst.numel() else 0
-    src_dtype = torch_dtype(rec.dtype, what=fqn)
-    buf = torch.empty(extent, dtype=src_dtype, device="meta")  # allocated once the plan proves it is stored
-    if extent:
-        targets.append(TargetSlice(index=len(dsts), fqn=view.base, box=Box((lo,), (extent,))))
-    dsts.append(buf)
-    src_dtypes.append(src_dtype)
-    posts.append(_Post(leaf=fqn, dst=dst, buf_index=len(dsts) - 1, lo=0, shape=rec.shape, stride=view.stride))
+    extent = 1 + sum((n - 1) * s for n, s in zip(rec.shape, rec.view.stride)) if dst.numel() else 0
+    views.setdefault(rec.view.base, []).append((fqn, dst, rec.view, rec.shape, extent))
+
+
+def _plan_views(views: dict, m: Manifest, targets, dsts, src_dtypes, posts) -> None:
+    """One buffer per storage, spanning what its views reach (read once, whatever the number of
+    views), filled by the reads and copied into each view target afterwards. The buffer is a
+    meta placeholder until ``_allocate_view_buffers`` has seen the plan."""
+    for base, members in views.items():
+        spans = [(v.storage_offset, v.storage_offset + extent) for _, _, v, _, extent in members if extent]
+        if not spans:
+            continue
+        lo, hi = min(a for a, _ in spans), max(z for _, z in spans)
+        src_dtype = torch_dtype(m.storages[base].dtype, what=base)
+        targets.append(TargetSlice(index=len(dsts), fqn=base, box=Box((lo,), (hi - lo,))))
+        dsts.append(torch.empty(hi - lo, dtype=src_dtype, device="meta"))
+        src_dtypes.append(src_dtype)
+        posts.extend(_Post(leaf=fqn, dst=dst, buf_index=len(dsts) - 1, lo=v.storage_offset - lo, shape=shape,
+                           stride=v.stride) for fqn, dst, v, shape, extent in members if extent)
 
 
 def _allocate_view_buffers(ckpt, plan, targets: list[TargetSlice], dsts: list[torch.Tensor]) -> None:

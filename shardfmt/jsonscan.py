@@ -48,13 +48,15 @@ _BS, _QUOTE, _COMMA, _COLON = 0x5C, 0x22, 0x2C, 0x3A
 
 def estimate(text: bytes) -> int:
     """An upper bound on the bytes of Python objects ``orjson.loads(text)`` allocates at its peak
-    (CPython 3.11, 64-bit; checked by the test suite): per ``{`` 208, ``[`` 96, string 88, ``,``
-    56 and ``:`` 88 (a separator may precede a number, up to 56 bytes), plus the text itself, four
-    times over when it is not ASCII (strings of 4-byte characters). Counted over the raw bytes,
-    so characters inside strings count too: never too low; honest typed JSON stays within ~6x."""
-    per_char = 1 if text.isascii() else 4
+    (CPython 3.11, 64-bit; checked by the test suite, one kind of text per fresh process): per
+    ``{`` 208, ``[`` 96, string 88, ``,`` 64 and ``:`` 96 (a separator may precede a number: a
+    float takes 60 bytes at the peak), plus 3 bytes per byte of text (long ASCII strings peak at
+    2), 8 when it holds a character beyond ASCII, raw or escaped (strings of 4-byte characters
+    peak at 5). Counted over the raw bytes, so characters inside strings count too; honest typed
+    JSON stays within ~6x."""
+    per_char = 3 if text.isascii() and b"\\u" not in text else 8
     return (208 * text.count(b"{") + 96 * text.count(b"[") + 88 * (text.count(b'"') // 2)
-            + 56 * text.count(b",") + 88 * text.count(b":") + per_char * len(text))
+            + 64 * text.count(b",") + 96 * text.count(b":") + per_char * len(text))
 
 
 @dataclass
@@ -68,9 +70,9 @@ class Budget:
     def charge(self, nbytes: int, where: str) -> None:
         self.used += nbytes
         if self.used > self.limit:
-            raise ManifestError(f"{self.source}: {where}: the typed JSON kept from this manifest (metadata, values) "
-                                f"would take more than {self.limit} bytes of memory: at most {KEPT_PER_BYTE} bytes "
-                                f"per byte of manifest, plus {KEPT_EXTRA >> 20} MiB")
+            raise ManifestError(f"{self.source}: {where}: the JSON kept from this file (metadata, values) would "
+                                f"take more than {self.limit} bytes of memory: at most {KEPT_PER_BYTE} bytes per "
+                                f"byte of the file, plus {KEPT_EXTRA >> 20} MiB")
 
     @classmethod
     def for_document(cls, size: int, source: str) -> Budget:
@@ -86,51 +88,47 @@ def _loads(text, what: str, source: str):
 
 class Lazy:
     """A JSON object or array too large to parse in one call, at nesting ``depth`` (top level:
-    1). Its members' positions come from one scan; they are parsed in batches of at most
-    ``PIECE_MAX`` bytes when iterated (``items()`` for an object, iteration for an array)."""
+    1). Its members are walked once, in document order (``items()`` for an object, iteration for
+    an array): one scan finds where they lie (on first use), and they are parsed in batches of at
+    most ``PIECE_MAX`` bytes. Callers turn an object into a dict of its members (few, for a
+    record) or walk it (a map), never look members up by name: every member is parsed once."""
 
     __slots__ = ("buf", "start", "end", "kind", "depth", "source", "_bounds", "_colons")
 
     def __init__(self, buf: bytes, start: int, end: int, depth: int, source: str) -> None:
         self.buf, self.start, self.end, self.depth, self.source = buf, start, end, depth, source
-        self.kind, self._bounds, self._colons = _scan(buf, start, end, source)
+        first = _first_non_ws(np.frombuffer(buf, dtype=np.uint8, count=end - start, offset=start), 0)
+        if first is None or buf[start + first] not in b"[{":
+            raise ManifestError(f"{source}: not valid JSON (expected an object or array)")
+        self.kind = "object" if buf[start + first] == 0x7B else "array"
+        self._bounds: np.ndarray | None = None  # opening bracket, the container's own commas, closing bracket
+        self._colons: np.ndarray | None = None  # each member's colon (objects); offsets from ``start``
+
+    def __repr__(self) -> str:
+        return f"<JSON {self.kind} of {self.size} bytes>"
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
+    def _scanned(self) -> np.ndarray:
+        if self._bounds is None:
+            self._bounds, self._colons = _scan(self.buf, self.start, self.end, self.kind, self.source)
+        return self._bounds
+
     def __len__(self) -> int:
-        return len(self._bounds) - 1
+        return len(self._scanned()) - 1
 
     def _value_span(self, i: int) -> tuple[int, int]:
-        lo = int(self._colons[i]) if self.kind == "object" else int(self._bounds[i])
-        return lo + 1, int(self._bounds[i + 1])
+        lo = self._colons[i] if self.kind == "object" else self._bounds[i]
+        return self.start + int(lo) + 1, self.start + int(self._bounds[i + 1])
 
     def _key(self, i: int) -> str:
-        k = _loads(memoryview(self.buf)[int(self._bounds[i]) + 1:int(self._colons[i])], "a key", self.source)
-        if not isinstance(k, str):
-            raise ManifestError(f"{self.source}: object key {str(k)[:40]} is not a string")
-        return k
-
-    def keys(self):
-        self._require("object")
-        return dict.fromkeys(self._key(i) for i in range(len(self))).keys()
-
-    def __getitem__(self, key: str):
-        self._require("object")
-        for i in reversed(range(len(self))):  # JSON: the last of duplicate keys wins
-            if self._key(i) == key:
-                return value_at(self.buf, *self._value_span(i), self.depth + 1, self.source)
-        raise KeyError(key)
-
-    def get(self, key: str, default=None):
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.keys()
+        lo, hi = self.start + int(self._bounds[i]) + 1, self.start + int(self._colons[i])
+        first = _first_non_ws(np.frombuffer(self.buf, dtype=np.uint8, count=hi - lo, offset=lo), 0)
+        if first is None or self.buf[lo + first] != _QUOTE:  # parsed only when it is a string
+            raise ManifestError(f"{self.source}: not valid JSON (an object key that is not a string)")
+        return _loads(memoryview(self.buf)[lo:hi], "a key", self.source)
 
     def items(self) -> Iterator[tuple[str, object]]:
         """(key, value) in document order: small values parsed in batches, large ones Lazy."""
@@ -141,8 +139,8 @@ class Lazy:
         self._require("array")
         return (v for _, v in self._walk())
 
-    def text(self) -> bytes:
-        return self.buf[self.start:self.end]
+    def text(self) -> memoryview:
+        return memoryview(self.buf)[self.start:self.end]
 
     def _require(self, kind: str) -> None:
         if self.kind != kind:
@@ -157,17 +155,19 @@ class Lazy:
                 yield (self._key(i) if obj else None), value_at(self.buf, lo, hi, self.depth + 1, self.source)
                 i += 1
                 continue
-            first = int(self._bounds[i]) + 1
+            first = self.start + int(self._bounds[i]) + 1
             j = i + 1
             while j < n and self._value_span(j)[1] - first <= PIECE_MAX:
                 j += 1
-            last = int(self._bounds[j])
-            run = _loads(b"{" + self.buf[first:last] + b"}" if obj else b"[" + self.buf[first:last] + b"]",
-                         "a value", self.source)
+            last = self.start + int(self._bounds[j])
+            text = self.buf[first:last]
+            run = _loads(b"{" + text + b"}" if obj else b"[" + text + b"]", "a value", self.source)
             if obj:
                 for k in range(i, j):
                     key = self._key(k)
                     yield key, run[key]  # duplicate keys in one batch: the parsed dict holds the last
+            elif len(run) != j - i:  # an empty member ("[,1]") parses as none
+                raise ManifestError(f"{self.source}: not valid JSON (an empty array member)")
             else:
                 yield from ((None, v) for v in run)
             i = j
@@ -202,7 +202,7 @@ def plain(value, budget: Budget, where: str, *, depth: int):
     it is parsed whole."""
     if isinstance(value, Lazy):
         text = value.text()
-        budget.charge(estimate(text), where)
+        budget.charge(estimate(bytes(text)), where)
         value = _loads(text, where, value.source)
     else:
         budget.charge(deep_size(value), where)
@@ -255,31 +255,27 @@ def _containers(v) -> list:
 _END = object()
 
 
-def _scan(buf: bytes, start: int, end: int, source: str):
-    """(kind, bounds, colons) of the container in ``buf[start:end]``: ``bounds`` holds the
-    positions of its opening bracket, its own commas and its closing bracket; ``colons`` each
-    member's colon (objects). Positions are int64 numpy arrays, absolute in ``buf``."""
+def _scan(buf: bytes, start: int, end: int, kind: str, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """(bounds, colons) of the container in ``buf[start:end]``: ``bounds`` holds the offsets
+    (from ``start``) of its opening bracket, its own commas and its closing bracket; ``colons``
+    each member's colon (objects). uint32: a manifest is at most 1 GiB."""
     arr = np.frombuffer(buf, dtype=np.uint8, count=end - start, offset=start)
     first = _first_non_ws(arr, 0)
-    if first is None or arr[first] not in (0x5B, 0x7B):
-        raise ManifestError(f"{source}: not valid JSON (expected an object or array)")
-    kind = "object" if arr[first] == 0x7B else "array"
     commas, colons, close = _separators(arr, first)
-    bad = close is None or _first_non_ws(arr, close + 1) is not None
-    inner_empty = not bad and not len(commas) and _first_non_ws(arr[:close], first + 1) is None
-    if not bad and kind == "object" and not inner_empty and len(colons) != len(commas) + 1:
-        bad = True
-    if not bad and kind == "object" and len(colons):  # each member's colon lies between its bounds
-        bounds = np.concatenate(([first], commas, [close]))
-        bad = bool(np.any(colons <= bounds[:-1]) or np.any(colons >= bounds[1:]))
-    if not bad and kind == "array" and len(colons):
-        bad = True
+    closer = 0x7D if kind == "object" else 0x5D
+    bad = close is None or arr[close] != closer or _first_non_ws(arr, close + 1) is not None
+    if not bad and not len(commas) and _first_non_ws(arr[:close], first + 1) is None:
+        return np.array([first], dtype=np.uint32), np.zeros(0, dtype=np.uint32)  # empty: no members
+    bounds = None if bad else np.concatenate((np.array([first], dtype=np.uint32), commas,
+                                              np.array([close], dtype=np.uint32)))
+    del commas
+    if not bad and kind == "object":  # exactly one colon per member, between its bounds
+        bad = len(colons) != len(bounds) - 1 or bool(np.any(colons <= bounds[:-1]) or np.any(colons >= bounds[1:]))
+    elif not bad:
+        bad = len(colons) > 0
     if bad:
         raise ManifestError(f"{source}: not valid JSON (a container of {end - start} bytes is malformed)")
-    if inner_empty:
-        return kind, np.array([start + first, start + close], dtype=np.int64), np.zeros(0, dtype=np.int64)
-    bounds = np.concatenate(([first], commas, [close])).astype(np.int64) + start
-    return kind, bounds, colons.astype(np.int64) + start
+    return bounds, colons
 
 
 def _first_non_ws(arr: np.ndarray, lo: int) -> int | None:
@@ -311,8 +307,8 @@ def _separators(arr: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, in
         here = outside & (d == 1)
         closed = np.flatnonzero(d <= 0)
         stop = int(closed[0]) if len(closed) else len(blk)
-        commas.append(pos + np.flatnonzero(here[:stop] & (blk[:stop] == _COMMA)))
-        colons.append(pos + np.flatnonzero(here[:stop] & (blk[:stop] == _COLON)))
+        commas.append((pos + np.flatnonzero(here[:stop] & (blk[:stop] == _COMMA))).astype(np.uint32))
+        colons.append((pos + np.flatnonzero(here[:stop] & (blk[:stop] == _COLON))).astype(np.uint32))
         if len(closed):
             return np.concatenate(commas), np.concatenate(colons), pos + stop
         in_str, depth = int(after[-1]), int(d[-1])

@@ -155,6 +155,8 @@ def _np_dtype(text: Any, where: str) -> np.dtype:
             dt = np.dtype(text)
         except (TypeError, ValueError):  # e.g. "<f16" where the platform has no float128
             dt = None
+    if dt is not None and dt.str[1:] != text.lstrip("<>|="):  # "i04", "b01": numpy reads them, writes "<i4"
+        dt = None
     if dt is None or dt.kind not in _NP_KINDS or dt.subdtype is not None:
         raise EncodingError(f"{where}: unsupported numpy dtype {str(text)[:40]!r}")
     return dt

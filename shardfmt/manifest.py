@@ -301,18 +301,36 @@ def _str(v: Any, where: str, *, max_len: int = 4096) -> str:
 
 
 def _obj(v: Any, where: str) -> dict:
-    """An object: parsed, or Lazy (a large one, whose members are parsed as they are walked)."""
+    """A map (files, tensors, ...): parsed, or Lazy (large: walked once with ``items()``)."""
     if not (isinstance(v, dict) or isinstance(v, Lazy) and v.kind == "object"):
         raise _fail(where, f"expected an object, got {_type_name(v)}")
     return v
 
 
+def _record(v: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
+    """A record's fields as a dict. A Lazy (large) record is walked once: a field given twice is
+    refused (the earlier one would go unparsed) and so is an unknown one, as soon as it is met."""
+    if isinstance(v, Lazy) and v.kind == "object":
+        out: dict = {}
+        for k, x in v.items():
+            if k in out:
+                raise _fail(where, f"field {k!r} given twice")
+            if k not in required and k not in optional:
+                raise _fail(where, f"unknown field(s) [{k!r}]")
+            out[k] = x
+        v = out
+    _keys(_obj(v, where), where, required, optional)
+    return v
+
+
 def _list(v: Any, where: str, *, max_len: int = 1 << 31) -> list:
+    """A list: parsed, or Lazy (large: iterated once); a short one (a shape, a byte range) is
+    always a plain list, whitespace-padded past one piece or not."""
     if not (isinstance(v, list) or isinstance(v, Lazy) and v.kind == "array"):
         raise _fail(where, f"expected a list, got {_type_name(v)}")
     if len(v) > max_len:
         raise _fail(where, f"a list of {len(v)} entries, at most {max_len} allowed")
-    return v
+    return list(v) if isinstance(v, Lazy) and max_len <= MAX_NDIM else v
 
 
 def _type_name(v: Any) -> str:
@@ -325,7 +343,7 @@ def _keys(obj: dict, where: str, required: set[str], optional: set[str] = frozen
         raise _fail(where, f"missing field(s) {sorted(missing)}")
     extra = obj.keys() - required - optional
     if extra:
-        raise _fail(where, f"unknown field(s) {sorted(extra)}")
+        raise _fail(where, f"unknown field(s) {sorted(extra)[:5]}{' ...' if len(extra) > 5 else ''}")
 
 
 def _digest(v: Any, where: str) -> str:
@@ -351,8 +369,7 @@ def parse_file_name(v: Any, where: str) -> str:
 
 def _parse_shard(v: Any, where: str, *, name: str, ndim: int, shape: tuple[int, ...], isz: int,
                  files: Mapping[str, FileRecord]) -> ShardRecord:
-    o = _obj(v, where)
-    _keys(o, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
+    o = _record(v, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
     offsets = _dims(o["offsets"], where + ".offsets")
     lengths = _dims(o["lengths"], where + ".lengths")
     if len(offsets) != ndim or len(lengths) != ndim:
@@ -386,8 +403,7 @@ def _parse_shard(v: Any, where: str, *, name: str, ndim: int, shape: tuple[int, 
 def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
     if v is None:
         return None
-    o = _obj(v, where)
-    _keys(o, where, {"mesh_dims", "placements", "stage"})
+    o = _record(v, where, {"mesh_dims", "placements", "stage"})
     dims = tuple(_str(x, f"{where}.mesh_dims[{i}]", max_len=64)
                  for i, x in enumerate(_list(o["mesh_dims"], where + ".mesh_dims", max_len=16)))
     places = []
@@ -414,8 +430,7 @@ def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
 
 
 def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]) -> TensorRecord:
-    o = _obj(v, where)
-    _keys(o, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
+    o = _record(v, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
     dtype = _str(o["dtype"], where + ".dtype", max_len=32)
     if dtype not in SUPPORTED_DTYPES:
         raise _fail(where + ".dtype", f"unsupported dtype {dtype!r}")
@@ -430,8 +445,7 @@ def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]
         return TensorRecord(dtype=dtype, shape=shape, placement=placement,
                             alias_of=_str(o["alias_of"], where + ".alias_of"))
     if "view" in o:
-        vo = _obj(o["view"], where + ".view")
-        _keys(vo, where + ".view", {"base", "storage_offset", "stride"})
+        vo = _record(o["view"], where + ".view", {"base", "storage_offset", "stride"})
         stride = _dims(vo["stride"], where + ".view.stride")
         if len(stride) != len(shape):
             raise _fail(where + ".view.stride", f"rank {len(stride)} != shape rank {len(shape)}")
@@ -447,27 +461,27 @@ def _parse_tensor(name: str, v: Any, where: str, files: Mapping[str, FileRecord]
     return TensorRecord(dtype=dtype, shape=shape, placement=placement, shards=shards)
 
 
-def _parse_file(v: Any, where: str) -> FileRecord:
-    o = _obj(v, where)
-    _keys(o, where, {"rank", "size", "header_size", "header_digest", "digest", "chunks"})
+def _parse_file(v: Any, where: str, world_size: int) -> FileRecord:
+    o = _record(v, where, {"rank", "size", "header_size", "header_digest", "digest", "chunks"})
     chunks = tuple(_digest(c, f"{where}.chunks[{i}]") for i, c in enumerate(_list(o["chunks"], where + ".chunks")))
     size = _int(o["size"], where + ".size", hi=1 << 62)
     header_size = _int(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
     if header_size > size:
         raise _fail(where + ".header_size", f"{header_size} exceeds the file size {size}")
-    return FileRecord(rank=_int(o["rank"], where + ".rank", hi=(1 << 24) - 1), size=size,
+    rank = _int(o["rank"], where + ".rank", hi=(1 << 24) - 1)
+    if rank >= world_size:
+        raise _fail(where + ".rank", f"rank {rank} >= world size {world_size}")
+    return FileRecord(rank=rank, size=size,
                       header_size=header_size, header_digest=_digest(o["header_digest"], where + ".header_digest"),
                       chunks=chunks, digest=_digest(o["digest"], where + ".digest"))
 
 
 def _parse_topology(v: Any, where: str) -> Topology:
-    o = _obj(v, where)
-    _keys(o, where, {"world_size", "mesh", "ranks"})
+    o = _record(v, where, {"world_size", "mesh", "ranks"})
     ws = _int(o["world_size"], where + ".world_size", lo=1, hi=1 << 24)
     mesh = []
     for i, d in enumerate(_list(o["mesh"], where + ".mesh", max_len=16)):
-        do = _obj(d, f"{where}.mesh[{i}]")
-        _keys(do, f"{where}.mesh[{i}]", {"name", "size"})
+        do = _record(d, f"{where}.mesh[{i}]", {"name", "size"})
         name = _str(do["name"], f"{where}.mesh[{i}].name", max_len=64)
         if not _MESH_NAME_RE.fullmatch(name):
             raise _fail(f"{where}.mesh[{i}].name", f"bad mesh dim name {name!r}")
@@ -483,6 +497,8 @@ def _parse_topology(v: Any, where: str) -> Topology:
     sizes = [s for _, s in mesh]
     coords = [0] * len(sizes)
     for r, got in enumerate(ranks):  # the rank's coordinates, counted up like an odometer
+        if isinstance(got, Lazy):  # whitespace-padded past one piece
+            got = _list(got, f"{where}.ranks[{r}]", max_len=16)
         if got != coords:
             raise _fail(f"{where}.ranks[{r}]", f"{str(got)[:80]} is not rank {r}'s row-major mesh coordinates {coords}")
         for d in reversed(range(len(sizes))):
@@ -493,19 +509,23 @@ def _parse_topology(v: Any, where: str) -> Topology:
     return Topology(world_size=ws, mesh=tuple(mesh))
 
 
-def _parse_value(v: Any, where: str, budget: Budget) -> ValueRecord:
-    o = _obj(v, where)
-    if set(o.keys()) == {"value"}:
+def _parse_value(v: Any, where: str, budget: Budget, world_size: int) -> ValueRecord:
+    o = _record(v, where, set(), {"value", "per_rank"})
+    if set(o) == {"value"}:
         return ValueRecord(value=plain(o["value"], budget, where, depth=4))
-    if set(o.keys()) == {"per_rank"}:
+    if set(o) == {"per_rank"}:
         pr = _obj(o["per_rank"], where + ".per_rank")
         out = {}
         for k, val in pr.items():
-            if not _RANK_KEY_RE.fullmatch(k):
-                raise _fail(where + ".per_rank", f"rank key {k!r} is not a rank number")
+            if not _RANK_KEY_RE.fullmatch(k) or int(k) >= world_size:
+                raise _fail(where + ".per_rank", f"rank key {k!r} is not a rank below world size {world_size}")
+            budget.charge(_PER_RANK_ENTRY, where)
             out[int(k)] = plain(val, budget, f"{where}.per_rank[{k}]", depth=5)
         return ValueRecord(per_rank=out)
     raise _fail(where, "expected {'value': ...} or {'per_rank': {...}}")
+
+
+_PER_RANK_ENTRY = 128  # bytes a per-rank entry holds besides its value: a dict slot and an int key
 
 
 def parse_manifest(raw: bytes, *, source: str = "manifest.json") -> Manifest:
@@ -530,12 +550,34 @@ def manifest_from_obj(obj: Any, *, source: str = "manifest.json", size: int | No
 
     ``size``: the manifest's bytes, which set what its kept typed JSON may cost (default: the
     object serialised)."""
-    budget = Budget.for_document(len(orjson.dumps(obj)) if size is None else size, source)
+    if size is None:
+        size = obj.size if isinstance(obj, Lazy) else len(orjson.dumps(obj))
+    budget = Budget.for_document(size, source)
+    if isinstance(obj, Lazy):
+        obj = _top_level(obj, source)
     obj = migrate(obj, source=source)
     try:
         return _manifest_fields(obj, budget)
     except ManifestError as e:
-        raise ManifestError(f"{source}: {e}") from None
+        raise ManifestError(str(e) if str(e).startswith(f"{source}: ") else f"{source}: {e}") from None
+
+
+MAX_TOP_FIELDS = 64  # a manifest's top level has 14 fields; a later version may add some, not thousands
+
+
+def _top_level(obj: Lazy, source: str) -> dict:
+    """A large manifest's top-level members as a dict (the large ones Lazy), each met once: the
+    version is checked before unknown fields are, so their names are kept, but only so many."""
+    if obj.kind != "object":
+        raise ManifestError(f"{source}: top level must be an object")
+    if len(obj) > MAX_TOP_FIELDS:
+        raise ManifestError(f"{source}: the top level has {len(obj)} members (a manifest has 14)")
+    out: dict = {}
+    for k, v in obj.items():
+        if k in out:
+            raise ManifestError(f"{source}: top-level field {k!r} given twice")
+        out[k] = v
+    return out
 
 
 def newer_version_error(source: str, version: int) -> FormatVersionError:
@@ -547,10 +589,10 @@ def newer_version_error(source: str, version: int) -> FormatVersionError:
 def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
     """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions).
 
-    A Lazy object's pieces are checked for nesting as they are parsed."""
-    if not isinstance(obj, Lazy):
-        check_depth(obj, source=source)
-    if not (isinstance(obj, dict) or isinstance(obj, Lazy) and obj.kind == "object"):
+    The members of a large manifest that are still Lazy are checked for nesting as they are
+    parsed (typed JSON) or by type (records)."""
+    check_depth(obj, source=source)
+    if not isinstance(obj, dict):
         raise ManifestError(f"{source}: top level must be an object")
     if obj.get("format") != FORMAT_NAME:
         raise ManifestError(f"{source}: format is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
@@ -576,13 +618,12 @@ def _manifest_fields(o: dict, budget: Budget) -> Manifest:
     _keys(o, "", {"format", "format_version", "save_id", "step", "created_at", "writer",
                   "hash_algorithm", "chunk_size", "metadata", "topology", "files", "tensors",
                   "storages", "values"})
-    if isinstance(o, Lazy):
-        o = dict(o.items())  # each member once: small ones parsed, large ones Lazy
     if o["hash_algorithm"] != hashing.ALGORITHM:
         raise _fail("hash_algorithm", f"unsupported {o['hash_algorithm']!r}")
     chunk_size = _int(o["chunk_size"], "chunk_size", lo=4096, hi=1 << 30)
     writer = {k: _str(v, f"writer.{k}", max_len=256) for k, v in _obj(o["writer"], "writer").items()}
-    files = {parse_file_name(k, f"files[{k!r}]"): _parse_file(v, f"files[{k!r}]")
+    topology = _parse_topology(o["topology"], "topology")  # first: ranks are checked as records stream
+    files = {parse_file_name(k, f"files[{k!r}]"): _parse_file(v, f"files[{k!r}]", topology.world_size)
              for k, v in _obj(o["files"], "files").items()}
     for name, f in files.items():
         want = max(1, -(-f.size // chunk_size)) if f.size else 0
@@ -621,22 +662,14 @@ def _manifest_fields(o: dict, budget: Budget) -> Manifest:
     for name, rec in storages.items():
         if rec.alias_of is not None or rec.view is not None or len(rec.shape) != 1:
             raise _fail(f"storages[{name!r}]", "a storage must be a 1-D tensor stored in shards")
-    value_names = _obj(o["values"], "values").keys()
-    clash = (tensors.keys() & storages.keys()) | (tensors.keys() & value_names) | (storages.keys() & value_names)
+    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]", budget, topology.world_size)
+              for k, v in _obj(o["values"], "values").items()}
+    clash = (tensors.keys() & storages.keys()) | (tensors.keys() & values.keys()) | (storages.keys() & values.keys())
     if clash:
         raise _fail("tensors/storages/values", f"names used twice: {sorted(clash)[:5]}")
     step = o["step"]
     if step is not None:
         step = _int(step, "step", hi=MAX_STEP)
-    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]", budget)
-              for k, v in _obj(o["values"], "values").items()}
-    topology = _parse_topology(o["topology"], "topology")
-    for name, f in files.items():
-        if f.rank >= topology.world_size:
-            raise _fail(f"files[{name!r}].rank", f"rank {f.rank} >= world size {topology.world_size}")
-    for name, v in values.items():
-        if v.per_rank is not None and any(r >= topology.world_size for r in v.per_rank):
-            raise _fail(f"values[{name!r}].per_rank", f"a rank >= world size {topology.world_size}")
     return Manifest(
         format_version=o["format_version"], save_id=_str(o["save_id"], "save_id", max_len=128),
         step=step, created_at=_str(o["created_at"], "created_at", max_len=64),

@@ -146,13 +146,38 @@ def decode_header(raw: bytes, *, source: str, file_size: int) -> DecodedHeader:
         raise HeaderError(f"{source}: header is not valid JSON ({e})") from None
     if not (isinstance(body, dict) or isinstance(body, jsonscan.Lazy) and body.kind == "object"):
         raise HeaderError(f"{source}: header is not a JSON object")
-    data_start = PREFIX_BYTES + n
+    try:
+        out, metadata = _entries(body, source=source, data_start=PREFIX_BYTES + n, size=len(js))
+    except ManifestError as e:  # JSON found malformed while walking a large header
+        raise HeaderError(f"{source}: header is not valid JSON ({e})") from None
+    pos = PREFIX_BYTES + n
+    for e in sorted(out.values(), key=lambda e: (e.start, e.end)):
+        if e.start != pos:
+            raise HeaderError(f"{source}: tensor {e.key!r} starts at byte {e.start}, expected {pos} "
+                              "(data must be packed without gaps or overlaps)")
+        pos = e.end
+    if pos != file_size:
+        raise HeaderError(f"{source}: data ends at byte {pos} but the file has {file_size} bytes")
+    return DecodedHeader(entries=out, metadata=metadata)
+
+
+def _kept_metadata(lazy, budget) -> dict:
+    out = {}
+    for k, v in lazy.items():
+        budget.charge(jsonscan.deep_size([k, v]), "__metadata__")
+        out[k] = v
+    return out
+
+
+def _entries(body, *, source: str, data_start: int, size: int) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """The header's entries as records, and its ``__metadata__`` (charged to a budget when it is
+    large: what it holds stays, as strings)."""
     out: dict[str, HeaderEntry] = {}
     metadata: dict[str, str] = {}
     for key, info in body.items():
         if key == "__metadata__":
             if isinstance(info, jsonscan.Lazy) and info.kind == "object":
-                info = dict(info.items())  # large only through its strings ("shards"): parsed one each
+                info = _kept_metadata(info, jsonscan.Budget.for_document(size, source))
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise HeaderError(f"{source}: __metadata__ must map strings to strings")
             metadata = info
@@ -174,12 +199,4 @@ def decode_header(raw: bytes, *, source: str, file_size: int) -> DecodedHeader:
                               f"shape {shape} of {dtype} needs {math.prod(shape) * itemsize(dtype)}")
         out[key] = HeaderEntry(key=key, dtype=dtype, shape=tuple(shape),
                                start=data_start + offs[0], end=data_start + offs[1])
-    pos = data_start
-    for e in sorted(out.values(), key=lambda e: (e.start, e.end)):
-        if e.start != pos:
-            raise HeaderError(f"{source}: tensor {e.key!r} starts at byte {e.start}, expected {pos} "
-                              "(data must be packed without gaps or overlaps)")
-        pos = e.end
-    if pos != file_size:
-        raise HeaderError(f"{source}: data ends at byte {pos} but the file has {file_size} bytes")
-    return DecodedHeader(entries=out, metadata=metadata)
+    return out, metadata
