@@ -17,8 +17,10 @@ is parsed; the records the caller builds from the rest are bounded by their own 
 Trade-off: a split container's bytes are scanned once more (numpy, in the order of 1 GB/s) on
 top of the parse, and its member positions are kept (8 bytes each); a document of at most
 ``PIECE_MAX`` bytes is parsed in one call as before. Splitting a document into its members and
-parsing each with orjson accepts exactly the valid JSON: every piece is checked by orjson and
-the bytes between pieces by the scan.
+parsing each with orjson accepts the valid JSON and nothing else, as long as every member is
+walked: each piece is checked by orjson, the bytes between pieces by the scan (brackets,
+separators, one colon per object member, no empty array member). Callers walk each container
+once and refuse a record field given twice (an earlier duplicate would go unread).
 """
 
 from __future__ import annotations
