@@ -31,7 +31,15 @@ from .errors import (
     StorageError,
 )
 from .jsonscan import Lazy
-from .manifest import COMMITTED_NAME, MANIFEST_NAME, Manifest, load_json, manifest_from_obj, migrate
+from .manifest import (
+    COMMITTED_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    load_json,
+    manifest_from_obj,
+    migrate,
+)
 from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
 from .storage import Storage, get_storage
@@ -226,8 +234,8 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
     except ShardfmtError as e:  # rejected: the schema pass would only repeat it, at a cost
         problems.append(Problem(code="manifest_field", message=str(e), file=MANIFEST_NAME))
         return done()
-    if isinstance(obj, dict):
-        obj = migrate(obj)
+    if isinstance(obj, dict) and obj.get("format_version") != FORMAT_VERSION:
+        obj = migrate(obj)  # the schema describes the current version (the parse above checked the rest)
     problems.extend(_schema_problems(obj))
     if commit is not None and manifest.save_id != commit.save_id:
         problems.append(Problem(code="save_id", file=COMMITTED_NAME,
