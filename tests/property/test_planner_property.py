@@ -19,6 +19,7 @@ import math
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from reshard.geometry import Box, intersect
 from reshard.planner import (
@@ -195,7 +196,7 @@ def _carried_copy_case() -> dict:
             "verify": True, "max_gap": 1, "max_read": 7}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=plan_cases())
 @example(case=_carried_copy_case())
 def test_plan_copies_every_target_element_once_from_its_source(case):
@@ -272,7 +273,7 @@ def test_plan_copies_every_target_element_once_from_its_source(case):
                 f"unverified, gap-free plan reads {plan.bytes_to_read} bytes for {plan.needed_bytes} needed")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data())
 def test_split_block_puts_every_element_on_its_side_of_the_cut_once(data):
     from reshard.geometry import block_end, row_major_strides, split_block
@@ -299,7 +300,7 @@ def test_split_block_puts_every_element_on_its_side_of_the_cut_once(data):
     assert seen.size == 0 or (seen.min() == 1 and seen.max() == 1)
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=plan_cases())
 @example(case=_carried_copy_case())
 def test_no_byte_of_a_file_is_read_twice_in_one_plan(case):

@@ -18,6 +18,7 @@ import torch
 from deadline import deadline
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import shardfmt
 
@@ -80,7 +81,7 @@ nested_values = st.builds(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(value=nested_values, where=st.sampled_from(["value", "metadata"]))
 def test_nested_values_and_metadata_round_trip(value, where):
     if where == "value":

@@ -9,8 +9,10 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from reshard.geometry import Box
 from reshard.tiling import tiling_problems
@@ -71,7 +73,7 @@ def cases(draw):
     return boxes, region
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(case=cases())
 def test_tiling_check_agrees_with_counting_every_element(case):
     boxes, region = case
@@ -86,6 +88,7 @@ def _time(boxes: list[Box], region: Box) -> float:
     return time.perf_counter() - t
 
 
+@pytest.mark.slow
 def test_many_shards_cost_linear_time():
     """Layouts that cost the old guillotine-and-pairs check O(n^2) (13 s at 8,000 shards, hours
     at 100,000) or worse: 1-D slices, a staircase of L-shapes (one cut per level), and a

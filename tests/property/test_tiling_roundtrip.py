@@ -18,6 +18,7 @@ import tempfile
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 import shardfmt
 from reshard.geometry import Box
@@ -181,7 +182,7 @@ def make_target(t: dict, box: Box) -> tuple[ShardedTensor, torch.Tensor]:
     return ShardedTensor(local, t["shape"], box.offsets), expected
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=cases())
 def test_any_tiling_loads_back_into_any_slices(case):
     with tempfile.TemporaryDirectory() as tmp:
