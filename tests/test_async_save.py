@@ -244,6 +244,7 @@ class _Peak:
         return max(self.peak, _rss())
 
 
+@pytest.mark.slow
 def test_five_back_to_back_saves_stay_within_one_staging_copy(tmp_path):
     n = 16
     state = {f"w{i}": torch.randn(1 << 20) for i in range(n)}  # 64 MiB of fp32
@@ -306,6 +307,7 @@ def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, mo
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_a_save_still_writing_when_the_script_ends_is_committed_before_exit(tmp_path):
     """The interpreter waits for background saves (Checkpointer's and plain async_save's) before
     concurrent.futures stops taking work: the writer's thread pools still run."""

@@ -270,6 +270,7 @@ def test_a_checkpoint_of_a_newer_format_version_is_unreadable_here_never_invalid
 # ----------------------------------------------------------------------------- pipes and Ctrl-C
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["reshard.cli", "plan", "{ck}", "--mesh", "tp=2", "--rank", "0"],
                                   ["shardfmt.cli", "inspect", "{ck}"]])
 def test_a_closed_stdout_ends_quietly(tiny, argv):

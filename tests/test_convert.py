@@ -160,6 +160,7 @@ def _dt(code: str) -> torch.dtype:
     return torch_dtype(code)
 
 
+@pytest.mark.slow
 def test_round_trip_8_to_3_to_8_is_exact(src8, tmp_path):
     mid, back = str(tmp_path / "mid"), str(tmp_path / "back")
     convert(src8, mid, "tp=3", memory_budget="2MiB")
@@ -251,6 +252,7 @@ def test_errors_name_the_problem_and_leave_nothing(src8, tmp_path):
     assert [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
 
 
+@pytest.mark.slow
 def test_corrupt_source_chunk_is_caught_and_nothing_committed(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_8_ranks(src, chunk_size=4096)
@@ -378,6 +380,7 @@ def big(tmp_path_factory):
     return path, size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["tp=3", "tp=1"])
 def test_convert_peak_rss_stays_under_budget_plus_32mib(big, tmp_path, mesh):
     src, size = big
@@ -395,6 +398,7 @@ def test_convert_peak_rss_stays_under_budget_plus_32mib(big, tmp_path, mesh):
     assert all(bytes_equal(full[k], ref[k]) for k in ref)
 
 
+@pytest.mark.slow
 def test_export_hf_peak_rss_stays_under_budget_plus_32mib(big, tmp_path):
     src, size = big
     budget = 8 << 20

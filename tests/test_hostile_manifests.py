@@ -35,6 +35,7 @@ def small(tmp_path):
 # ----------------------------------------------------------------------------- 1. typed JSON
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [
     _bad_ndarray("(-1,)i4"), _bad_ndarray("(2,3)i4"), _bad_ndarray("((2,),(3,))i4"), _bad_ndarray("i4,i4"),
     _bad_ndarray("<i4", (0, 1 << 47, 1 << 47)), {"$npscalar": {"dtype": "3f4", "data": "AAAAAAAAAAAAAAAA"}},
@@ -153,6 +154,7 @@ def test_validate_rejects_with_the_field_parser_before_any_schema_pass(small):
     assert "400000 entries, at most 64" in report.problems[0].message
 
 
+@pytest.mark.slow
 def test_the_schema_pass_sees_a_bounded_sample_of_a_conforming_manifest(small):
     """A manifest of thousands of values and a large metadata object still passes the schema
     pass, which sees at most SCHEMA_SAMPLE entries of each map and small values only."""
@@ -173,6 +175,7 @@ def test_the_schema_pass_sees_a_bounded_sample_of_a_conforming_manifest(small):
 # ----------------------------------------------------------------------------- 7. claimed counts
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's peak-RSS reset")
 def test_a_claimed_world_size_is_checked_by_count_before_anything_is_built(small):
     """A 1 KB manifest declaring 2^24 ranks (and listing one): refused at once, in constant

@@ -459,6 +459,7 @@ _EXPANDING = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(_EXPANDING))
 def test_metadata_that_expands_through_the_memo_is_refused_in_bounded_time_and_memory(dcp1, tmp_path, kind):
     build, cause = _EXPANDING[kind]

@@ -75,6 +75,7 @@ shardfmt.save({"params": dict(model.state_dict()),
 """
 
 
+@pytest.mark.slow
 def test_a_new_process_resumes_a_checkpoint_of_another_bit_for_bit(tmp_path):
     """The README's flow: one process trains and saves; a NEW process with a fresh model and
     AdamW loads it; its next step equals the uninterrupted run's."""

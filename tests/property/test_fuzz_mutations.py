@@ -556,6 +556,7 @@ def _fuzz_manifest_case(base: dict, case: dict) -> None:
             assert err is not None, f"load accepted a manifest COMMITTED does not vouch for ({case['what']})"
 
 
+@pytest.mark.slow
 def test_fuzz_manifest_fields(base, capsys):
     reached = fuzz(case_a(base), lambda case: _fuzz_manifest_case(base, case), 160, capsys, "manifest fields")
     # three in four mutants are re-signed: they must get past the digest to the checks behind it
@@ -614,6 +615,7 @@ def _rewrite_header(body: dict, how: str) -> dict:
     return body
 
 
+@pytest.mark.slow
 def test_fuzz_safetensors_headers(base, capsys):
     reached = fuzz(case_b(), lambda case: _fuzz_header_case(base, case), 40, capsys, "safetensors headers")
     assert reached["header parser"] >= reached["mutants"] // 8, reached  # re-sealed ones, past the header digest
@@ -666,6 +668,7 @@ def case_c(draw) -> dict:
             "mask": draw(st.integers(1, 255)), "spec": draw(target_specs()), "reseal": draw(st.booleans())}
 
 
+@pytest.mark.slow
 def test_fuzz_data_byte_flips(base, capsys):
     reached = fuzz(case_c(), lambda case: _fuzz_flip_case(base, case), 40, capsys, "data byte flips")
     assert reached["header parser"] >= reached["mutants"] // 8, reached
@@ -702,6 +705,7 @@ def case_d(draw) -> dict:
             "reseal": draw(st.booleans())}
 
 
+@pytest.mark.slow
 def test_fuzz_truncation(base, capsys):
     reached = fuzz(case_d(), lambda case: _fuzz_truncation_case(base, case), 24, capsys, "truncation")
     assert reached["field parser"] >= reached["mutants"] // 4, reached
