@@ -14,14 +14,18 @@ import shardfmt
 from reshard.cli import main as reshard_main
 from reshard.hf import HF_CONFIG_KEY, HFError, export_hf, import_hf
 
-transformers = pytest.importorskip("transformers")
-
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 INPUT = (torch.arange(24).reshape(2, 12) * 7) % 128
 
 
+def _transformers():
+    """transformers, imported by the tests that use it (at collection it cost every run 2 s)."""
+    return pytest.importorskip("transformers")
+
+
 def tiny_llama(tie: bool, seed: int = 0):
+    transformers = _transformers()
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**CONFIG, tie_word_embeddings=tie)
     return transformers.LlamaForCausalLM(cfg).eval()
@@ -33,7 +37,7 @@ def logits(model) -> torch.Tensor:
 
 
 def load_hf(path: str, **kw):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+    return _transformers().AutoModelForCausalLM.from_pretrained(path, **kw).eval()
 
 
 def hf_header(path: str) -> dict:
@@ -42,6 +46,7 @@ def hf_header(path: str) -> dict:
         return json.loads(f.read(n))
 
 
+@pytest.mark.slow
 def test_export_tied_llama_sharded_loads_in_transformers_with_equal_logits(tmp_path):
     model = tiny_llama(tie=True)
     sd = model.state_dict()
@@ -87,6 +92,7 @@ def test_export_tied_llama_sharded_loads_in_transformers_with_equal_logits(tmp_p
     assert torch.equal(logits(load_hf(again)), logits(model))
 
 
+@pytest.mark.slow
 def test_untied_single_file_with_checkpointer_nesting_optimizer_left_out(tmp_path):
     model = tiny_llama(tie=False, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -113,6 +119,7 @@ def test_untied_single_file_with_checkpointer_nesting_optimizer_left_out(tmp_pat
     del ck
 
 
+@pytest.mark.slow
 def test_dtype_bf16_export_and_config(tmp_path):
     model = tiny_llama(tie=False, seed=2)
     ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
@@ -129,6 +136,7 @@ def test_dtype_bf16_export_and_config(tmp_path):
         assert bytes_equal(v, want[k]), k
 
 
+@pytest.mark.slow
 def test_tied_config_with_separately_stored_equal_or_different_head(tmp_path):
     """A distributed save of a tied model stores both tensors: equal -> lm_head left out;
     different -> refused rather than silently replaced by the embedding on load."""
@@ -173,6 +181,7 @@ def test_views_are_materialised_and_aliases_copied(tmp_path):
         assert bytes_equal(got[k], sd[k].contiguous()), k
 
 
+@pytest.mark.slow
 def test_import_hf_sharded_on_a_mesh_with_rules(tmp_path):
     model = tiny_llama(tie=False, seed=4)
     out = str(tmp_path / "hf")
@@ -230,6 +239,7 @@ def test_import_hf_errors(tmp_path):
     assert not os.path.exists(str(tmp_path / "x"))
 
 
+@pytest.mark.slow
 def test_export_errors_and_cli(tmp_path, capsys):
     model = tiny_llama(tie=False, seed=5)
     ck = str(tmp_path / "ck")
@@ -264,6 +274,7 @@ def test_export_errors_and_cli(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_llama_saved_by_4_ranks_tp2_pp2_exports_and_loads_with_equal_logits(tmp_path):
+    _transformers()  # the ranks build the model with it
     from tests.distributed.harness import check_all_ok, launch
 
     ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")

@@ -77,13 +77,21 @@ def _state(seed: int) -> dict:
     return {"model": torch.nn.Linear(64, 32)}
 
 
-@pytest.fixture
-def root(tmp_path) -> str:
-    """A Checkpointer root with steps 1 and 2 (different weights)."""
-    path = str(tmp_path / "root")
+@pytest.fixture(scope="module")
+def _root_template(tmp_path_factory) -> str:
+    """Steps 1 and 2 saved once for the module (two saves for each of ~100 tests were half its time)."""
+    path = str(tmp_path_factory.mktemp("special") / "root")
     ck = shardfmt.Checkpointer(path)
     ck.save(1, _state(1))
     ck.save(2, _state(2))
+    return path
+
+
+@pytest.fixture
+def root(_root_template, tmp_path) -> str:
+    """A Checkpointer root with steps 1 and 2 (different weights): a fresh copy for each test."""
+    path = str(tmp_path / "root")
+    shutil.copytree(_root_template, path)
     return path
 
 
@@ -174,6 +182,7 @@ def test_validate_reports_it_as_a_problem(broken, capsys):
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ls_lists_each_as_corrupt(tmp_path):
     """One ``shardfmt ls`` (a process of its own) over a root holding every case."""
     root = str(tmp_path / "root")
@@ -325,15 +334,24 @@ def test_the_direct_handle_reads_the_file_that_was_checked_not_a_link_swapped_in
 # ----------------------------------------------------------------------------- import sources
 
 
-@pytest.fixture
-def hf_dir(tmp_path) -> str:
-    """A Hugging Face folder (two weight files, an index, a config.json)."""
-    ckpt = str(tmp_path / "ck")
+@pytest.fixture(scope="module")
+def _hf_template(tmp_path_factory) -> str:
+    """A Hugging Face folder (two weight files, an index, a config.json), exported once."""
+    tmp = tmp_path_factory.mktemp("special-hf")
+    ckpt = str(tmp / "ck")
     shardfmt.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(40)}, ckpt, step=1)
-    hf = str(tmp_path / "hf")
+    hf = str(tmp / "hf")
     assert reshard_main(["export-hf", ckpt, hf, "--max-shard-size", "100", "--no-progress"]) == 0
     with open(os.path.join(hf, "config.json"), "w") as f:
         f.write("{}")
+    return hf
+
+
+@pytest.fixture
+def hf_dir(_hf_template, tmp_path) -> str:
+    """A Hugging Face folder (two weight files, an index, a config.json): a fresh copy for each test."""
+    hf = str(tmp_path / "hf")
+    shutil.copytree(_hf_template, hf)
     return hf
 
 
@@ -371,15 +389,23 @@ def test_import_hf_follows_the_hub_caches_links(hf_dir, tmp_path):
     assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
 
 
-@pytest.fixture
-def dcp_dir(tmp_path) -> str:
+@pytest.fixture(scope="module")
+def _dcp_template(tmp_path_factory) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    path = str(tmp_path / "dcp")
+    path = str(tmp_path_factory.mktemp("special-dcp") / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.arange(6.0)}, storage_writer=FileSystemWriter(path), no_dist=True)
+    return path
+
+
+@pytest.fixture
+def dcp_dir(_dcp_template, tmp_path) -> str:
+    """A torch.distributed.checkpoint directory: a fresh copy for each test."""
+    path = str(tmp_path / "dcp")
+    shutil.copytree(_dcp_template, path)
     return path
 
 
