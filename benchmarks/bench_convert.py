@@ -99,9 +99,9 @@ def job_setup(a: dict) -> list[dict]:
     import torch.distributed.checkpoint as dcp
 
     import shardfmt
-    from reshard.topology import Layout, Shard
-    from shardfmt.distributed import _layout_record
-    from shardfmt.manifest import Topology
+    from shardfmt.format.manifest import Topology
+    from shardfmt.layout.topology import Layout, Shard
+    from shardfmt.saving.distributed import _layout_record
 
     spec = make_spec(a["size_mib"])
     layers = 1 + max(int(n.split(".layers.")[1].split(".")[0]) for n, _, _ in spec if ".layers." in n)
@@ -220,8 +220,6 @@ def job_run(a: dict) -> list[dict]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     method = a["method"]
-    import reshard.convert  # noqa: F401  (imports are not part of the measurement)
-    import reshard.hf  # noqa: F401
 
     if method == "dcp":
         import torch.distributed.checkpoint.format_utils  # noqa: F401

@@ -18,11 +18,10 @@ import orjson
 
 from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from shardfmt.storage import parse_storage_options
-
-from .geometry import Box
-from .planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
-from .topology import Mesh, count_layers, held_boxes, layout_from_record, retarget
+from shardfmt.io.storage import parse_storage_options
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.topology import Mesh, count_layers, held_boxes, layout_from_record, retarget
+from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
 
 
 def targets_for_rank(manifest, mesh: Mesh, rank: int, *, layouts=None) -> list[TargetSlice]:
@@ -45,9 +44,8 @@ def targets_for_rank(manifest, mesh: Mesh, rank: int, *, layouts=None) -> list[T
 
 
 def cmd_plan(args) -> int:
-    from shardfmt.reader import open_checkpoint
-
-    from .convert import parse_mesh
+    from reshard.convert import parse_mesh
+    from shardfmt.loading.reader import open_checkpoint
 
     mesh = parse_mesh(args.mesh)
     if not 0 <= args.rank < mesh.world_size:
@@ -78,7 +76,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_import_dcp(args) -> int:
-    from .dcp_import import TRUST_PICKLE_HELP, import_dcp
+    from reshard.dcp_import import TRUST_PICKLE_HELP, import_dcp
 
     if not args.trust_pickle:
         print(f"reshard: error: import-dcp needs --trust-pickle. {TRUST_PICKLE_HELP}", file=sys.stderr)
@@ -96,14 +94,14 @@ def cmd_import_dcp(args) -> int:
 
 
 def _summary(nbytes: int, seconds: float) -> str:
-    from .stream import human
+    from reshard.stream import human
 
     rate = f", {human(nbytes / seconds)}/s" if seconds > 0 else ""
     return f"{human(nbytes)} in {seconds:.2f} s{rate}"
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert
+    from reshard.convert import convert
 
     rep = convert(args.src, args.dst, args.mesh, rules=args.rules, memory_budget=args.memory_budget,
                   dtype=args.dtype, verify=not args.no_verify, overwrite=args.overwrite, per_rank=args.per_rank,
@@ -124,7 +122,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from .hf import export_hf
+    from reshard.hf import export_hf
 
     rep = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, only=args.only,
                     strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, config=args.config,
@@ -147,7 +145,7 @@ def cmd_export_hf(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from .hf import import_hf
+    from reshard.hf import import_hf
 
     rep = import_hf(args.src, args.dst, mesh=args.mesh, rules=args.rules, dtype=args.dtype,
                     memory_budget=args.memory_budget, overwrite=args.overwrite, storage_options=_opts(args),

@@ -18,18 +18,7 @@ from typing import Any
 
 import torch
 
-from reshard.executor import DEFAULT_WORKERS, Executor
-from reshard.geometry import Box
-from reshard.planner import (
-    DEFAULT_MAX_BOUNCE_READ,
-    DEFAULT_MAX_READ,
-    TargetSlice,
-    plan_load,
-)
-
-from . import hashing, jsonvalue
-from .dtypes import dtype_code, torch_dtype
-from .errors import (
+from shardfmt.errors import (
     DTypeError,
     IntegrityError,
     ManifestError,
@@ -38,9 +27,12 @@ from .errors import (
     ShardfmtError,
     StateDictError,
 )
-from .manifest import MAX_NDIM, Manifest, ViewRecord
-from .reader import check_headers, open_checkpoint
-from .state import (
+from shardfmt.format import hashing, jsonvalue
+from shardfmt.format.dtypes import dtype_code, torch_dtype
+from shardfmt.format.manifest import MAX_NDIM, Manifest, ViewRecord
+from shardfmt.format.tensor_bytes import is_direct
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.state import (
     Leaf,
     PerRank,
     ShardedTensor,
@@ -50,8 +42,15 @@ from .state import (
     set_leaf,
     settle_if_saved,
 )
-from .tensor_bytes import is_direct
-from .writer import DEFAULT_PART_SIZE
+from shardfmt.loading.executor import DEFAULT_WORKERS, Executor
+from shardfmt.loading.planner import (
+    DEFAULT_MAX_BOUNCE_READ,
+    DEFAULT_MAX_READ,
+    TargetSlice,
+    plan_load,
+)
+from shardfmt.loading.reader import check_headers, open_checkpoint
+from shardfmt.saving.writer import DEFAULT_PART_SIZE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +156,7 @@ def save(
     rank calls ``save`` with its own state: DTensors, ShardedTensors, replicated plain
     tensors and values, ``PerRank`` values. Every rank writes its own file in parallel,
     replicated data is written once, and rank 0 commits after every rank succeeded
-    (see ``shardfmt.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
+    (see ``shardfmt.saving.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
     the job's layout in the manifest; ``timeout`` bounds every collective. Every rank must
     save the same ``step`` to the same place (else every rank raises StateDictError before
     anything is staged). A replicated value that differs across ranks is saved as the lowest
@@ -166,7 +165,7 @@ def save(
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel.
     """
-    from .distributed import in_distributed_job, prepare, run_save, save_distributed
+    from shardfmt.saving.distributed import in_distributed_job, prepare, run_save, save_distributed
 
     if in_distributed_job(process_group):
         return save_distributed(
@@ -206,9 +205,8 @@ def _targets_of(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]
     if isinstance(v, ShardedTensor):
         return v.local, [(v.local, Box(v.offsets, tuple(v.local.shape)))], v.global_shape
     if _is_dtensor(v):
-        from reshard.topology import held_boxes
-
-        from .distributed import dtensor_layout
+        from shardfmt.layout.topology import held_boxes
+        from shardfmt.saving.distributed import dtensor_layout
 
         try:
             layout, coords, sizes = dtensor_layout(v)
@@ -253,7 +251,7 @@ def load(
     checkpoint holds in another shape (entries under it, or one value above it: a fresh
     optimizer's ``state_dict()`` against a stepped one's) raises ``StateDictError`` either way.
     ``IfSaved`` subtrees (``shardfmt.get_state_dict``) get the leaves the checkpoint holds and
-    lose the others, which are never missing (see ``shardfmt.state``).
+    lose the others, which are never missing (see ``shardfmt.layout.state``).
 
     Works on any topology: every rank (under torch.distributed, or ``rank=`` given) plans
     its own reads from its own targets — DTensors (any mesh and placements), ShardedTensor

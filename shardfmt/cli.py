@@ -16,8 +16,8 @@ from collections import Counter
 
 import orjson
 
-from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from .storage import parse_storage_options
+from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from shardfmt.io.storage import parse_storage_options
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
 
@@ -79,7 +79,7 @@ def _usage(msg: str) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validation import validate
+    from shardfmt.validation import validate
 
     report = validate(args.path, deep=args.deep, storage_options=_storage_options(args))
     if args.json:
@@ -116,7 +116,7 @@ def inspect_summary(manifest) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    from .reader import open_checkpoint
+    from shardfmt.loading.reader import open_checkpoint
 
     ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
     info = inspect_summary(ckpt.manifest)
@@ -141,7 +141,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from .roots import list_checkpoints
+    from shardfmt.training.roots import list_checkpoints
 
     rows = list_checkpoints(args.root, _storage_options(args))
     if args.json:
@@ -160,8 +160,8 @@ def cmd_ls(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .roots import collect_garbage, require_root
-    from .storage import get_storage
+    from shardfmt.io.storage import get_storage
+    from shardfmt.training.roots import collect_garbage, require_root
 
     storage, root = get_storage(args.root, _storage_options(args))
     require_root(storage, root)
@@ -177,7 +177,7 @@ def cmd_gc(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import prepare_dir, run_demo
+    from shardfmt.demo.run import prepare_dir, run_demo
 
     if args.dir is not None:
         why = prepare_dir(args.dir)

@@ -15,13 +15,13 @@ import shardfmt
 from reshard.cli import main as reshard_main
 from reshard.cli import targets_for_rank
 from reshard.convert import convert
-from reshard.geometry import Box
-from reshard.planner import plan_load
-from reshard.rules import RulesError, parse_rules
 from reshard.stream import BudgetError, Piece, memory_plan, plan_windows
-from reshard.topology import Layout, Mesh, Shard
-from shardfmt.distributed import _layout_record
-from shardfmt.manifest import Topology
+from shardfmt.format.manifest import Topology
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.rules import RulesError, parse_rules
+from shardfmt.layout.topology import Layout, Mesh, Shard
+from shardfmt.loading.planner import plan_load
+from shardfmt.saving.distributed import _layout_record
 from tests.distributed.model import rank_state, specs, truth
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +49,7 @@ def write_8_ranks(path: str, *, chunk_size: int = 1 << 20) -> shardfmt.Manifest:
             storages = [shardfmt.ShardData(fqn=".storage.extra.q", data=_fused(), global_shape=(48,), offsets=(0,))]
         w.write_rank(r, mine, storages=storages)
     w.add_alias("model.head_tied.weight", "model.embed.weight")
-    from shardfmt.manifest import ViewRecord
+    from shardfmt.format.manifest import ViewRecord
 
     w.add_view("extra.q", "F32", (4, 6), ViewRecord(base=".storage.extra.q", storage_offset=0, stride=(6, 1)))
     w.add_view("extra.k", "F32", (6, 4), ViewRecord(base=".storage.extra.q", storage_offset=24, stride=(1, 6)))
@@ -155,7 +155,7 @@ def test_convert_8_ranks_to_3_uneven_and_to_1_loads_bit_for_bit(src8, tmp_path, 
 
 
 def _dt(code: str) -> torch.dtype:
-    from shardfmt.dtypes import torch_dtype
+    from shardfmt.format.dtypes import torch_dtype
 
     return torch_dtype(code)
 
