@@ -12,8 +12,9 @@ import collections
 import os
 import re
 import sys
+from importlib import resources
 
-SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "spec")
+SPEC = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "spec"))
 DOCS = ("FORMAT.md", "ROOTS.md")
 KEYWORDS = ("MUST NOT", "MUST", "SHOULD NOT", "SHOULD", "MAY", "REQUIRED")
 
@@ -135,6 +136,16 @@ def test_spec_cites_no_implementation_file():
     for name in DOCS:
         cited = re.findall(r"[\w./-]+\.py\b|\b(?:shardfmt|reshard)/[\w./-]+", read(name))
         assert not cited, f"{name} cites {cited}"
+
+
+def test_package_ships_the_spec_schema():
+    """One schema: the package's is spec/manifest.schema.json (a link to it in the source tree)."""
+    shipped = resources.files("shardfmt").joinpath("manifest.schema.json")
+    with open(os.path.join(SPEC, "manifest.schema.json"), "rb") as f:
+        assert shipped.read_bytes() == f.read()
+    source = os.path.join(os.path.dirname(SPEC), "shardfmt", "manifest.schema.json")
+    if str(shipped) == source:
+        assert os.path.islink(source), "shardfmt/manifest.schema.json must stay a link to the spec's"
 
 
 if __name__ == "__main__":
