@@ -632,7 +632,7 @@ def test_a_stored_value_that_does_not_decode_is_the_checkpoints_fault(tmp_path):
 
 @pytest.mark.parametrize("where", ["manifest", "COMMITTED"])
 def test_a_newer_format_version_stops_restore_and_is_never_quarantined(tmp_path, where):
-    """A newer release's checkpoint is neither usable nor corrupt (spec 2.1, 9): newer than every
+    """A newer release's checkpoint is neither usable nor corrupt (spec/ROOTS.md section 1, spec section 9): newer than every
     readable one, restore fails naming both versions and the path (resuming step 200 would throw
     away step 300's progress) and renames nothing; once it is moved aside, step 200 is resumed."""
     root = str(tmp_path / "run")

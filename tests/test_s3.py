@@ -550,7 +550,7 @@ def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
 
 
 def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, capsys):
-    """Spec 2.1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
+    """spec/ROOTS.md section 1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
     first run (logged), a missing bucket an error (a warning with allow_fresh_start), a store that
     does not answer a storage error; a checkpoint given as the root is an error naming its parent,
     and a root given to load is named for what it is."""

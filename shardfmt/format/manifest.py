@@ -26,7 +26,7 @@ FORMAT_NAME = "shardfmt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
-LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec 2.1)
+LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec/ROOTS.md section 1)
 QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a bad checkpoint aside; they mark it
 DATA_DIR = "data"
 

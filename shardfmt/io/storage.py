@@ -103,7 +103,7 @@ class Storage(Protocol):
     object_store: bool      # requests cost round trips; no directories, no rename
     max_gap: int            # reads coalesce across gaps up to this many bytes (a request's worth)
     read_concurrency: int   # ranged reads in flight at once
-    lease_seconds: float    # default lease of a save in progress (section 2.1 of the spec)
+    lease_seconds: float    # default lease of a save in progress (spec/ROOTS.md section 1)
 
     def url(self, path: str) -> str: ...
 

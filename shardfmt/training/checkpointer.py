@@ -9,7 +9,7 @@ only after the new checkpoint is committed.
 
 ``restore(state)``::
 
-    1) rank 0 checks the root (spec section 2.1: a checkpoint given as the root, or a root
+    1) rank 0 checks the root (spec/ROOTS.md section 1: a checkpoint given as the root, or a root
        missing with its parent, is an error; a root missing under an existing parent is a first
        run), lists the committed checkpoints, newest first, and broadcasts its choice
     2) every rank loads its slices, verifying every byte it reads
@@ -147,7 +147,7 @@ class Checkpointer:
         self.timeout = timeout
         self.lease_seconds = self.storage.lease_seconds
         self.mesh = mesh
-        self._root_checked = False  # the root rules (spec 2.1) hold: checked at restore or the first save
+        self._root_checked = False  # the root rules (spec/ROOTS.md section 1) hold: checked at restore or the first save
         self._stager = None  # async saves' staging buffers, created on the first one
         self._pending: list = []  # background saves not yet waited for (failed ones until wait() raises)
         self._warned: weakref.WeakSet = weakref.WeakSet()  # failed saves already warned about
@@ -420,7 +420,7 @@ class Checkpointer:
         while True:
             # Checked in full (once) before they stay or go: the copy that stays for a bucket being
             # pruned must be readable, and a checkpoint of a format version this reader cannot read
-            # (a newer release's) is neither counted nor removed (spec section 2.1).
+            # (a newer release's) is neither counted nor removed (spec/ROOTS.md section 1).
             doomed = to_delete(list(committed), keep_last=self.keep_last, keep_every=self.keep_every)
             pruned = {s // self.keep_every for s in doomed} if self.keep_every else set()
             stays = [s for s in committed if s not in doomed and s // self.keep_every in pruned] if pruned else []
@@ -544,7 +544,7 @@ class Checkpointer:
         return None
 
     def _check_root(self) -> str:
-        """Apply the root rules of spec section 2.1 (at restore, or at the first save if there was
+        """Apply the root rules of spec/ROOTS.md section 1 (at restore, or at the first save if there was
         none); return what the root is (``roots.probe_root``)."""
         kind = probe_root(self.storage, self.root)
         if kind == "orphan":

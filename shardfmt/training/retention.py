@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 
 STEP_RE = re.compile(r"step_(\d{9,})")
-QUARANTINE_TAG = ".corrupt-"  # step_NNNNNNNNN.corrupt-<id>: a checkpoint restore set aside (spec section 2.1)
+QUARANTINE_TAG = ".corrupt-"  # step_NNNNNNNNN.corrupt-<id>: a checkpoint restore set aside (spec/ROOTS.md section 1)
 DEFAULT_LEASE_SECONDS = 600.0
 
 

@@ -1,8 +1,8 @@
 """Checkpoint roots: what is under one (status of each checkpoint) and collecting what dead saves left.
 
-A root holds ``step_NNNNNNNNN`` checkpoints (spec section 2.1). Listing opens each one
+A root holds ``step_NNNNNNNNN`` checkpoints (spec/ROOTS.md section 1). Listing opens each one
 quickly (COMMITTED, manifest, file sizes: no data). Garbage collection removes only what a
-dead save left, judged by its lease (spec section 2.1): staging dirs (``.tmp-``), uncommitted
+dead save left, judged by its lease (spec/ROOTS.md section 1): staging dirs (``.tmp-``), uncommitted
 checkpoint prefixes (object stores write in place), and multipart uploads never completed.
 A live save keeps its lease fresh, so a collector never touches it.
 """
@@ -39,7 +39,7 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     """Return (status, step, size, reason) of one checkpoint directory, quickly.
 
     "unsupported" is a committed checkpoint of a format version this reader cannot read (a
-    newer release's): neither usable nor corrupt, so never quarantined nor removed (spec 2.1).
+    newer release's): neither usable nor corrupt, so never quarantined nor removed (spec/ROOTS.md section 1).
     ``markers_only``: look at the COMMITTED and QUARANTINED markers alone (one or two requests
     on an object store), not at the manifest and the files' sizes."""
     from shardfmt.loading.reader import open_checkpoint
@@ -101,7 +101,7 @@ def root_parent(storage: Storage, root: str) -> str:
 
 
 def probe_root(storage: Storage, root: str) -> str:
-    """What ``root`` is to a Checkpointer (spec section 2.1): "root" (a directory), "new" (missing,
+    """What ``root`` is to a Checkpointer (spec/ROOTS.md section 1): "root" (a directory), "new" (missing,
     its parent exists: a first run) or "orphan" (missing, and so is its parent: a misspelled path?).
 
     Raise CheckpointNotFoundError when ``root`` is a checkpoint itself (named ``step_N``, or
