@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from reshard.cli import targets_for_rank
 from reshard.stream import (
     DEFAULT_BUDGET,
     Buffers,
@@ -53,12 +52,17 @@ from shardfmt.errors import CommitError, IntegrityError, ShardfmtError, StateDic
 from shardfmt.format import jsonvalue
 from shardfmt.format.dtypes import dtype_code, torch_dtype
 from shardfmt.format.manifest import Manifest, Placement, Topology, ValueRecord
-from shardfmt.io.storage import Storage, get_storage
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.dtensor import placement_record
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.rules import Rules, load_rules, plan_layouts
 from shardfmt.layout.topology import Layout, Mesh, TopologyError
 from shardfmt.loading.reader import open_checkpoint
+from shardfmt.loading.targets import targets_for_rank
+from shardfmt.saving.distributed import assign_writers
 from shardfmt.saving.writer import CheckpointWriter, ShardSpec, file_order
+from shardfmt.validation import validate
 
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what --dtype casts (float8 kinds stay as they are)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16,
@@ -128,13 +132,6 @@ class ConvertReport:
 # ----------------------------------------------------------------------------- planning (pure)
 
 
-def placement_record(layout: Layout | None) -> Placement | None:
-    """The manifest's record of a Layout."""
-    from shardfmt.saving.distributed import _layout_record
-
-    return None if layout is None else _layout_record(layout)
-
-
 def stored_records(m: Manifest) -> dict[str, tuple[tuple[int, ...], Placement | None]]:
     """Every tensor record stored by shards (not an alias or view): name -> (shape, placement)."""
     return {f: (tuple(r.shape), r.placement) for f, r in m.tensors.items() if r.alias_of is None and r.view is None}
@@ -145,8 +142,6 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
     """Return every new rank's file: the boxes each rank holds on ``mesh``, each distinct box
     written by one holder (``assign_writers``: largest first, to the least-loaded holder), in
     file order. ``dtypes`` is the output dtype of every stored record and storage."""
-    from shardfmt.saving.distributed import assign_writers
-
     descs = []
     held: dict[int, list[tuple[str, Box]]] = {}
     for rank in range(mesh.world_size):
@@ -193,8 +188,6 @@ def _staged_check(source: Manifest, cast: torch.dtype | None, *, deep: bool, ext
     """Validate the staged result (everything but the commit marker) and compare it with the
     source: the same tensors (plus ``extra_aliases``) with the same shapes, kinds and (cast)
     dtypes, and the values expected."""
-    from shardfmt.validation import validate
-
     def check(storage: Storage, path: str) -> None:
         report = validate(path, deep=deep, storage=storage)
         problems = [p for p in report.problems if p.code != "not_committed"]

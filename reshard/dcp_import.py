@@ -57,7 +57,8 @@ from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.manifest import Manifest, Topology, check_step
 from shardfmt.format.tensor_bytes import BufferFile
-from shardfmt.io.storage import Storage, get_storage
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import MAX_WORLD

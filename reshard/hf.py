@@ -47,10 +47,12 @@ from reshard.convert import (
 from reshard.stream import (
     DEFAULT_BUDGET,
     Buffers,
+    Part,
     Piece,
     Progress,
     Source,
     Strided,
+    Window,
     fill_window,
     fit_uploads,
     memory_plan,
@@ -72,7 +74,8 @@ from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.hashing import digest_bytes
 from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, Topology
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, encode_header, header_length
-from shardfmt.io.storage import Storage, get_storage
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box, box_spans
 from shardfmt.layout.rules import Rules, load_rules, plan_layouts
 from shardfmt.layout.topology import Mesh
@@ -366,7 +369,6 @@ def equal_records(source: Source, a: str, b: str, buffers: Buffers) -> bool:
     dt = out_dtype(rec.dtype, None)
     slot = buffers.slots[0]
     cap = max(dt.itemsize, (slot.numel() // 2) // 8 * 8)
-    from reshard.stream import Part, Window
 
     for span in box_spans(rec.shape, Box.full(rec.shape), dt.itemsize, max_span=cap) if _numel(rec.shape) else []:
         n = span.box.numel * dt.itemsize

@@ -3,8 +3,7 @@
 Public API only; the implementation lives in the submodules.
 """
 
-__version__ = "0.1.0"
-
+from shardfmt._version import __version__  # noqa: E402
 from shardfmt.api import LoadReport, load, save  # noqa: E402
 from shardfmt.errors import (
     AccessDeniedError,

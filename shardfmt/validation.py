@@ -26,7 +26,7 @@ from shardfmt.errors import (
     SpecialFileError,
     StorageError,
 )
-from shardfmt.format import hashing
+from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.jsonscan import Lazy
 from shardfmt.format.manifest import (
     COMMITTED_NAME,
@@ -38,7 +38,8 @@ from shardfmt.format.manifest import (
     migrate,
 )
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
-from shardfmt.io.storage import Storage, get_storage
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.loading.reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
@@ -247,8 +248,6 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
 
 def _check_values(m: Manifest, problems: list[Problem]) -> None:
     """Every typed-JSON value (and the metadata) must decode."""
-    from shardfmt.format import jsonvalue
-
     items = [("metadata", m.metadata)]
     for fqn, rec in m.values.items():
         if rec.per_rank is None:

@@ -181,16 +181,16 @@ def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
 
     from reshard.cli import main
     from shardfmt.format.manifest import Topology
+    from shardfmt.layout.dtensor import placement_record
     from shardfmt.layout.topology import Layout, Shard
-    from shardfmt.saving.distributed import _layout_record
 
     path = str(tmp_path / "ck")
     w = shardfmt.CheckpointWriter(path)
     w.write_rank(0, [
         shardfmt.ShardData(fqn="fc2.weight", data=torch.randn(256, 256), global_shape=(256, 256), offsets=(0, 0),
-                           placement=_layout_record(Layout(("tp",), (Shard(1),)))),
+                           placement=placement_record(Layout(("tp",), (Shard(1),)))),
         shardfmt.ShardData(fqn="fc2.bias", data=torch.randn(256), global_shape=(256,), offsets=(0,),
-                           placement=_layout_record(Layout((), ())))])
+                           placement=placement_record(Layout((), ())))])
     w.commit(topology=Topology(world_size=1, mesh=(("tp", 1),)))
     f = _one_file(path)
     assert main(["plan", path, "--mesh", "tp=2", "--rank", "1", "--json"]) == 0

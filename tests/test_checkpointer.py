@@ -11,6 +11,8 @@ import torch
 from conftest import as_next_format_version, flip_byte
 
 import shardfmt
+import shardfmt.saving.async_save
+import shardfmt.training.checkpointer
 from shardfmt.training.checkpointer import Checkpointer, CompatibilityError
 from shardfmt.training.retention import to_delete
 from shardfmt.training.sampler import ResumableSampler
@@ -227,7 +229,7 @@ def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_p
             raise shardfmt.CommitError(f"{path}: injected failure")
         return real(prepared, path, **kw)
 
-    monkeypatch.setattr(D, "run_save", failing)
+    monkeypatch.setattr(shardfmt.saving.async_save, "run_save", failing)  # where async_save looks it up
     root = str(tmp_path / "run")
     m = torch.nn.Linear(2, 2)
     ck = Checkpointer(root)
@@ -452,7 +454,7 @@ def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_p
 def test_latest_and_retention_open_a_bounded_number_of_checkpoints(tmp_path, monkeypatch):
     """With keep_every the kept checkpoints grow without end; latest() and each save's retention
     pass must not open every one of them (on S3, ~6 requests and a HEAD per file each)."""
-    import shardfmt.loading.reader as R
+    import shardfmt.training.roots as R  # where latest() and retention look it up
 
     root = str(tmp_path / "run")
     ck = Checkpointer(root, keep_last=2, keep_every=1)  # keep everything
@@ -485,7 +487,7 @@ def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_pat
             raise shardfmt.StorageError("simulated: the archive is unreachable for a while")
         return real(*a, **k)
 
-    monkeypatch.setattr(A, "copy_checkpoint", flaky)
+    monkeypatch.setattr(shardfmt.training.checkpointer, "copy_checkpoint", flaky)  # where the Checkpointer looks it up
     ck = Checkpointer(root, keep_last=2, archive=arch, archive_every=10, archive_attempts=1)
     m = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():

@@ -287,7 +287,7 @@ def test_ctrl_c_in_reshard_exits_130_without_a_traceback(tiny, tmp_path, monkeyp
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reshard.convert, "convert", interrupted)
+    monkeypatch.setattr(reshard.cli, "convert", interrupted)  # where the CLI looks it up
     try:
         rc = reshard_main(["convert", tiny, str(tmp_path / "c"), "--mesh", "tp=2", "--no-progress"])
     except KeyboardInterrupt:

@@ -325,7 +325,7 @@ def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
 
     url = f"{bucket}/race/step_1"
     shardfmt.save({"x": torch.ones(4)}, url)
-    storage, path = shardfmt.io.storage.get_storage(url)
+    storage, path = shardfmt.io.registry.get_storage(url)
     from shardfmt.format.manifest import CommitRecord
 
     with pytest.raises(CheckpointExistsError):
@@ -408,7 +408,7 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     import time
 
     from shardfmt.io.fsspec import lease_owner
-    from shardfmt.io.storage import get_storage
+    from shardfmt.io.registry import get_storage
     from shardfmt.saving.writer import CheckpointWriter, ShardData
 
     st, path = get_storage(f"{bucket}/stale/step_000000001", {"lease_seconds": 2})
@@ -483,7 +483,7 @@ def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket,
 _CONVERT_RSS = r"""
 import json, sys, threading, time
 import reshard.convert, shardfmt
-from shardfmt.io.storage import get_storage
+from shardfmt.io.registry import get_storage
 
 def rss():
     with open("/proc/self/status") as f:
@@ -619,7 +619,7 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
 def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     ck = shardfmt.Checkpointer(f"{bucket}/lease", lease_seconds=8)
     assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
-    storage, _ = shardfmt.io.storage.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
+    storage, _ = shardfmt.io.registry.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
     assert storage.lease_seconds == 8  # what save() builds from the same options: heartbeat every 2 s
 
 

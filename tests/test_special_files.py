@@ -446,7 +446,7 @@ def test_gc_removes_a_dead_staging_dir_but_keeps_one_holding_a_fifo_or_a_link(tm
 def test_gc_on_fsspecs_local_filesystem_keeps_a_leftover_holding_a_fifo(tmp_path):
     """``local://`` goes through fsspec (no staging dirs): an uncommitted prefix is a dead save's
     leftover only if it holds what a save writes, which is never a FIFO."""
-    from shardfmt.io.storage import get_storage
+    from shardfmt.io.registry import get_storage
 
     root = str(tmp_path / "root")
     dead = _staging(root, "step_000000001", {"LEASE": b"{}", "data/rank_00000.0123456789abcdef.safetensors": b"x"})

@@ -50,6 +50,7 @@ from shardfmt.format.manifest import (
     Manifest,
     parse_commit,
 )
+from shardfmt.io.fsspec import lease_identity, lease_owner, read_lease
 from shardfmt.io.storage import Storage
 
 StepHook = Callable[[str], None]
@@ -166,8 +167,6 @@ def _holder_is_dead(storage: Storage, path: str) -> bool:
     pid namespace) that no longer runs: a job restarted on the same node need not wait out
     its dead predecessor's lease."""
     import os
-
-    from shardfmt.io.fsspec import lease_identity, read_lease
 
     try:
         holder = read_lease(storage, path)
@@ -295,8 +294,6 @@ def abort_own(storage: Storage, path: str, save_id: str) -> None:
         for n in mine:
             storage.remove_tree(storage.join(path, n))
         if set(names) - set(mine) <= {LEASE_NAME}:
-            from shardfmt.io.fsspec import lease_owner
-
             if lease_owner(storage, path) in (save_id, None):  # never the LEASE of a save that took over
                 storage.remove_tree(path)
     except (OSError, ShardfmtError):

@@ -17,6 +17,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from shardfmt import Checkpointer, ResumableSampler
+
 VOCAB, SEQ, DIM, SAMPLES = 64, 16, 32, 256
 
 
@@ -42,8 +44,6 @@ def dataset() -> torch.Tensor:
 
 def main() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from shardfmt import Checkpointer, ResumableSampler
 
     p = argparse.ArgumentParser()
     p.add_argument("--dir", required=True)

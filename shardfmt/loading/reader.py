@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shardfmt.commit.names import parse_step_dir
 from shardfmt.commit.protocol import committed_aside
 from shardfmt.errors import (
     CheckpointNotFoundError,
@@ -33,8 +34,8 @@ from shardfmt.format.manifest import (
     parse_manifest,
 )
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
-from shardfmt.io.storage import Storage, get_storage
-from shardfmt.training.retention import parse_step_dir
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

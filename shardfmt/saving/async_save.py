@@ -47,6 +47,13 @@ from shardfmt.errors import CommitError, ShardfmtError, StateDictError
 from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.manifest import Manifest, check_step
 from shardfmt.format.tensor_bytes import resolved
+from shardfmt.saving.distributed import (
+    Prepared,
+    control_group,
+    in_distributed_job,
+    prepare,
+    run_save,
+)
 
 log = logging.getLogger("shardfmt")
 
@@ -387,8 +394,6 @@ def _any_rank(flag: bool, process_group, timeout) -> bool:
     """True on every rank when ``flag`` is true on any rank (a tiny all-reduce on the caller's thread)."""
     import torch.distributed as dist
 
-    from shardfmt.saving.distributed import control_group
-
     g = control_group(process_group, timeout)
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)
     try:
@@ -431,14 +436,6 @@ def async_save(
     called on the background thread with the manifest once committed (before ``wait()``
     returns). Errors in the background are re-raised by ``wait()``.
     """
-    from shardfmt.saving.distributed import (
-        Prepared,
-        control_group,
-        in_distributed_job,
-        prepare,
-        run_save,
-    )
-
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if stage not in STAGES:

@@ -27,7 +27,6 @@ frozen rank surfaces as an error within it rather than a hang.
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -40,20 +39,29 @@ import xxhash
 
 from shardfmt.errors import CheckpointExistsError, CommitError, ShardfmtError, StateDictError
 from shardfmt.format import hashing, jsonvalue
-from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.dtypes import dtype_code, torch_dtype
 from shardfmt.format.manifest import (
     FileRecord,
     Placement,
     ShardRecord,
     Topology,
+    ValueRecord,
     ViewRecord,
     check_step,
+    parse_manifest,
     rank_file_name,
 )
-from shardfmt.format.tensor_bytes import resolved
+from shardfmt.format.tensor_bytes import byte_pieces, resolved
+from shardfmt.io.registry import get_storage
+from shardfmt.layout.dtensor import dtensor_layout, placement_record
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.state import PerRank, ShardedTensor, _is_dtensor, flatten
-from shardfmt.layout.topology import Layout, Replicate, Shard, StridedShard, held_boxes
+from shardfmt.layout.topology import (
+    Mesh,
+    TopologyError,
+    held_boxes,
+)
+from shardfmt.saving.sharing import check_saveable, plan_sharing
 from shardfmt.saving.writer import (
     DEFAULT_PART_SIZE,
     CheckpointWriter,
@@ -127,48 +135,6 @@ def broadcast_bytes(data: bytes | None, src: int, group) -> bytes:
 # --------------------------------------------------------------------------- describing state
 
 
-def dtensor_layout(v) -> tuple[Layout, dict[str, int], dict[str, int]]:
-    """Return the Layout of a DTensor, this rank's mesh coordinates and the mesh sizes."""
-    rank = dist.get_rank() if dist.is_initialized() else -1
-    key = (v.device_mesh, tuple(v.placements), v.dim(), rank)
-    try:
-        hash(key)
-    except TypeError:  # a placement type that cannot be hashed: work it out every time
-        layout, coords, sizes = _mesh_layout.__wrapped__(*key)
-    else:
-        layout, coords, sizes = _mesh_layout(*key)
-    return layout, dict(coords), dict(sizes)
-
-
-@functools.lru_cache(maxsize=1024)
-def _mesh_layout(mesh, placements: tuple, ndim: int, rank: int) -> tuple[Layout, tuple, tuple]:
-    """``dtensor_layout`` for one (mesh, placements, ndim) as seen by global ``rank``: states hold
-    thousands of DTensors on a few meshes and layouts, so each is worked out once."""
-    from torch.distributed.tensor import Partial
-    from torch.distributed.tensor import Replicate as TReplicate
-    from torch.distributed.tensor import Shard as TShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    names = tuple(mesh.mesh_dim_names or (f"mesh{i}" for i in range(mesh.ndim)))
-    places = []
-    for p in placements:
-        if isinstance(p, _StridedShard):
-            places.append(StridedShard(p.dim, int(p.split_factor)))
-        elif isinstance(p, TShard):
-            places.append(Shard(p.dim if p.dim >= 0 else p.dim + ndim))
-        elif isinstance(p, TReplicate):
-            places.append(Replicate())
-        elif isinstance(p, Partial):
-            raise StateDictError("Partial placement (pending reduction) cannot be saved; "
-                                 "redistribute to Shard or Replicate first")
-        else:
-            raise StateDictError(f"unsupported DTensor placement {p!r}")
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return Layout(names, tuple(places)), (), ()
-    return Layout(names, tuple(places)), tuple(zip(names, coord)), tuple(zip(names, mesh.shape))
-
-
 @dataclass(slots=True)
 class _Held:
     fqn: str
@@ -178,16 +144,9 @@ class _Held:
     pieces: list[tuple[Box, torch.Tensor]]  # global box -> local data view
 
 
-def _layout_record(layout: Layout) -> Placement:
-    return Placement(mesh_dims=layout.mesh_dims, placements=tuple(tuple(p.to_json()) for p in layout.placements),
-                     stage=layout.stage)
-
-
 def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[str, Any]]:
     """Return what this rank holds: tensors (with local views), a JSON description, values
     (``IfSaved`` subtrees are no real state: they are left out)."""
-    from shardfmt.api import _check_saveable, _plan_sharing
-
     held: dict[str, _Held] = {}
     plain: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
@@ -202,26 +161,26 @@ def describe(state_dict: dict, rank: int) -> tuple[dict[str, _Held], dict, dict[
             except StateDictError as e:
                 raise StateDictError(f"{leaf.fqn}: {e}") from None
             local = v.to_local().detach()
-            _check_saveable(leaf.fqn, local)
+            check_saveable(leaf.fqn, local)
             pieces = []
             for hb in held_boxes(tuple(v.shape), layout, coords, sizes) if coords else []:
                 sl = tuple(slice(o, o + n) for o, n in zip(hb.local_offsets, hb.box.lengths))
                 pieces.append((hb.box, local[sl] if local.dim() else local))
             held[leaf.fqn] = _Held(leaf.fqn, dtype_code(local.dtype, what=leaf.fqn), tuple(v.shape),
-                                   _layout_record(layout), pieces)
+                                   placement_record(layout), pieces)
         elif isinstance(v, ShardedTensor):
-            _check_saveable(leaf.fqn, v.local)
+            check_saveable(leaf.fqn, v.local)
             held[leaf.fqn] = _Held(leaf.fqn, dtype_code(v.local.dtype, what=leaf.fqn), v.global_shape,
-                                   _layout_record(v.layout) if v.layout is not None else None,
+                                   placement_record(v.layout) if v.layout is not None else None,
                                    [(Box(v.offsets, tuple(v.local.shape)), v.local.detach())])
         elif isinstance(v, torch.Tensor):
-            _check_saveable(leaf.fqn, v)
+            check_saveable(leaf.fqn, v)
             plain[leaf.fqn] = resolved(v)  # a lazy conj/neg is not its storage's bytes: shares nothing
         elif isinstance(v, PerRank):
             per_rank[leaf.fqn] = jsonvalue.encode(v.value, where=leaf.fqn)
         else:
             values[leaf.fqn] = jsonvalue.encode(v, where=leaf.fqn)
-    stored, aliases, views, storages = _plan_sharing(plain)
+    stored, aliases, views, storages = plan_sharing(plain)
     for fqn, t in list(stored.items()) + list(storages.items()):
         held[fqn] = _Held(fqn, dtype_code(t.dtype, what=fqn), tuple(t.shape), None, [(Box.full(t.shape), t)])
     desc = {
@@ -278,8 +237,6 @@ def _prod(xs) -> int:
 
 
 def _torch_dtype(code: str) -> torch.dtype:
-    from shardfmt.format.dtypes import torch_dtype
-
     return torch_dtype(code)
 
 
@@ -509,8 +466,6 @@ def run_save(
     tensors; it is called only once the plan is agreed and the checkpoint staged, so that
     work needs no data and overlaps the copy. A failure it raises fails the save on every rank.
     """
-    from shardfmt.io.storage import get_storage
-
     rank, world = _rank_world(group)
     topo = _topology(mesh, world) if group is not None or mesh else Topology(world_size=1)
     if storage is None:
@@ -640,15 +595,12 @@ def run_save(
         blob = None
     outcome = orjson.loads(_collective(lambda: _bcast(blob, group), "committing", rank))
     _raise_from([outcome], "committing")
-    from shardfmt.format.manifest import parse_manifest
 
     return parse_manifest(outcome["manifest"].encode())
 
 
 def _digest_tensor(t: torch.Tensor) -> str:
     import xxhash
-
-    from shardfmt.format.tensor_bytes import byte_pieces
 
     h = xxhash.xxh3_128()
     for piece in byte_pieces(t):
@@ -713,7 +665,6 @@ def _add_records(writer: CheckpointWriter, descs: list[dict]) -> None:
         vr = v["view"]
         writer.add_view(f, v["dtype"], tuple(v["shape"]),
                         ViewRecord(base=vr["base"], storage_offset=vr["storage_offset"], stride=tuple(vr["stride"])))
-    from shardfmt.format.manifest import ValueRecord
 
     for f, v in values.items():
         writer.add_encoded_value(f, ValueRecord(value=v))
@@ -723,8 +674,6 @@ def _add_records(writer: CheckpointWriter, descs: list[dict]) -> None:
 
 def _topology(mesh: Mapping[str, int] | None, world: int) -> Topology:
     if mesh:
-        from shardfmt.layout.topology import Mesh, TopologyError
-
         try:
             pairs = Mesh.parse(mesh).dims
         except TopologyError as e:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CommitError, ShapeError, ShardfmtError, StateDictError
 from shardfmt.format import hashing, jsonvalue
@@ -43,7 +44,10 @@ from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_heade
 from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
 from shardfmt.io import aligned
 from shardfmt.io.aligned import DIRECT_ALIGN, address
-from shardfmt.io.storage import Storage, get_storage
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.tiling import tiling_problems
 
 Clock = Callable[[], _dt.datetime]
 _OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
@@ -51,8 +55,6 @@ DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a t
 
 
 def default_writer_versions() -> dict[str, str]:
-    from shardfmt import __version__
-
     return {"shardfmt": __version__, "torch": torch.__version__.split("+")[0],
             "python": platform.python_version()}
 
@@ -667,9 +669,6 @@ class CheckpointWriter:
     # -- 4) commit
     def build_manifest(self, *, step: int | None = None, metadata: Any = None,
                        topology: Topology | None = None) -> Manifest:
-        from shardfmt.layout.geometry import Box
-        from shardfmt.layout.tiling import tiling_problems
-
         tensors: dict[str, TensorRecord] = {}
         storages: dict[str, TensorRecord] = {}
         for table, out in ((self._tensors, tensors), (self._storages, storages)):

@@ -46,6 +46,8 @@ import orjson
 import torch
 
 from shardfmt.api import load, save
+from shardfmt.commit.names import parse_step_dir, quarantine_dir_name, step_dir_name
+from shardfmt.commit.protocol import is_committed
 from shardfmt.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
@@ -53,19 +55,16 @@ from shardfmt.errors import (
     StateDictError,
     StorageError,
 )
-from shardfmt.format import hashing
+from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.manifest import QUARANTINED_NAME
-from shardfmt.io.storage import get_storage
+from shardfmt.io.registry import get_storage
 from shardfmt.layout.state import IfSaved, PerRank
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.saving.async_save import at_exit
+from shardfmt.saving.async_save import Stager, async_save, at_exit
+from shardfmt.saving.distributed import all_gather_bytes, broadcast_bytes, control_group
 from shardfmt.training import rng
-from shardfmt.training.retention import (
-    parse_step_dir,
-    quarantine_dir_name,
-    step_dir_name,
-    to_delete,
-)
+from shardfmt.training.archive import copy_checkpoint, copy_with_retries
+from shardfmt.training.retention import to_delete
 from shardfmt.training.roots import (
     CheckpointInfo,
     checkpoint_status,
@@ -99,7 +98,6 @@ def _is_optimizer(v) -> bool:
 def _config_hash(config: Any) -> str | None:
     if config is None:
         return None
-    from shardfmt.format import jsonvalue
 
     return hashing.digest_bytes(orjson.dumps(jsonvalue.encode(config, where="config"), option=orjson.OPT_SORT_KEYS))
 
@@ -185,7 +183,6 @@ class Checkpointer:
     def _broadcast(self, obj: Any) -> Any:
         if not self._dist():
             return obj
-        from shardfmt.saving.distributed import broadcast_bytes, control_group
 
         g = control_group(self.process_group, self.timeout)
         return orjson.loads(broadcast_bytes(orjson.dumps(obj) if self._rank() == 0 else None, 0, g))
@@ -193,7 +190,6 @@ class Checkpointer:
     def _all_gather(self, obj: Any) -> list[Any]:
         if not self._dist():
             return [obj]
-        from shardfmt.saving.distributed import all_gather_bytes, control_group
 
         g = control_group(self.process_group, self.timeout)
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
@@ -266,8 +262,6 @@ class Checkpointer:
         common = dict(step=step, metadata=meta, storage_options=self.storage_options,
                       process_group=self.process_group, timeout=self.timeout, mesh=self.mesh)
         if async_:
-            from shardfmt.saving.async_save import Stager, async_save
-
             if self._stager is None:
                 self._stager = Stager()
             handle = async_save(sd, url, stager=self._stager, policy=policy, stage=stage,
@@ -294,8 +288,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ archive tier
     def _archived_steps(self) -> list[int]:
-        from shardfmt.commit.protocol import is_committed
-
         st, root = self.archive_storage, self.archive_root
         if not st.exists(root):
             return []
@@ -324,8 +316,6 @@ class Checkpointer:
             self._archive_jobs.append(self._archive_pool.submit(self._archive_one, step, path))
 
     def _archive_one(self, step: int, path: str) -> None:
-        from shardfmt.training.archive import copy_checkpoint, copy_with_retries
-
         dst = self.archive_storage.join(self.archive_root, step_dir_name(step))
         where = self.archive_storage.url(dst)
 
@@ -602,8 +592,6 @@ class Checkpointer:
         return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
 
     def _check_compat(self, path, manifest, signature, optimizers, allow_mismatch) -> None:
-        from shardfmt.format import jsonvalue
-
         meta = jsonvalue.decode_stored(manifest.metadata, where="metadata", source=path) or {}
         if allow_mismatch or not isinstance(meta, dict):
             return
@@ -642,8 +630,6 @@ class Checkpointer:
 
     def _apply(self, state, sd, report, manifest, *, fresh_optims: set[str], dirty: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        from shardfmt.format import jsonvalue
 
         meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
         meta = meta if isinstance(meta, dict) else {}

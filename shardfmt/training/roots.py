@@ -13,6 +13,7 @@ import re
 import time
 from dataclasses import dataclass
 
+from shardfmt.commit.names import is_quarantined_dir, parse_step_dir
 from shardfmt.commit.protocol import is_data_file, is_save_leftover
 from shardfmt.errors import (
     CheckpointNotFoundError,
@@ -22,8 +23,10 @@ from shardfmt.errors import (
     StorageError,
 )
 from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
+from shardfmt.io.registry import get_storage
 from shardfmt.io.storage import Storage
-from shardfmt.training.retention import is_quarantined_dir, lease_expired, parse_step_dir
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.training.retention import lease_expired
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,8 +45,6 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     newer release's): neither usable nor corrupt, so never quarantined nor removed (spec/ROOTS.md section 1).
     ``markers_only``: look at the COMMITTED and QUARANTINED markers alone (one or two requests
     on an object store), not at the manifest and the files' sizes."""
-    from shardfmt.loading.reader import open_checkpoint
-
     name = path.rstrip("/").rsplit("/", 1)[-1]
     if ".tmp-" in name:
         return "incomplete", None, None, "staging dir of an unfinished save"
@@ -125,8 +126,6 @@ def probe_root(storage: Storage, root: str) -> str:
 
 def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
     """Every checkpoint-like directory under ``root`` (a path or fsspec URL) with its status."""
-    from shardfmt.io.storage import get_storage
-
     storage, root = get_storage(root, storage_options)
     require_root(storage, root)
     out = []
