@@ -99,9 +99,9 @@ def job_setup(a: dict) -> list[dict]:
     import torch.distributed.checkpoint as dcp
 
     import shardfmt
-    from reshard.topology import Layout, Shard
-    from shardfmt.distributed import _layout_record
-    from shardfmt.manifest import Topology
+    from shardfmt.format.manifest import Topology
+    from shardfmt.layout.dtensor import placement_record
+    from shardfmt.layout.topology import Layout, Shard
 
     spec = make_spec(a["size_mib"])
     layers = 1 + max(int(n.split(".layers.")[1].split(".")[0]) for n, _, _ in spec if ".layers." in n)
@@ -118,14 +118,14 @@ def job_setup(a: dict) -> list[dict]:
                 if d is None:
                     if tp == 0:  # replicated over tp: written once
                         mine.append(shardfmt.ShardData(fqn=n, data=t, global_shape=s, offsets=(0,) * len(s),
-                                                       placement=_layout_record(Layout((), (), stage=pp))))
+                                                       placement=placement_record(Layout((), (), stage=pp))))
                     continue
                 k = s[d] // 2
                 offs = [0] * len(s)
                 offs[d] = tp * k
                 mine.append(shardfmt.ShardData(
                     fqn=n, data=t.narrow(d, tp * k, k).contiguous(), global_shape=s, offsets=tuple(offs),
-                    placement=_layout_record(Layout(("tp",), (Shard(d),), stage=pp))))
+                    placement=placement_record(Layout(("tp",), (Shard(d),), stage=pp))))
             w.write_rank(pp * 2 + tp, mine)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
            "intermediate_size": FFN, "vocab_size": VOCAB, "num_hidden_layers": layers,
@@ -220,8 +220,6 @@ def job_run(a: dict) -> list[dict]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     method = a["method"]
-    import reshard.convert  # noqa: F401  (imports are not part of the measurement)
-    import reshard.hf  # noqa: F401
 
     if method == "dcp":
         import torch.distributed.checkpoint.format_utils  # noqa: F401

@@ -194,12 +194,12 @@ def _wrap(owner, name: str, label: str) -> None:
 
 
 def install_profiler() -> None:
-    import reshard.executor as ex
     import shardfmt.api as api
-    import shardfmt.commit as commit
-    import shardfmt.distributed as d
-    import shardfmt.manifest as man
-    import shardfmt.writer as w
+    import shardfmt.commit.protocol as commit
+    import shardfmt.format.manifest as man
+    import shardfmt.loading.executor as ex
+    import shardfmt.saving.distributed as d
+    import shardfmt.saving.writer as w
 
     # save (distributed): describe -> gather -> plan -> stage -> write -> gather -> commit -> broadcast
     _wrap(d, "describe", "save.describe")
@@ -271,7 +271,7 @@ class Ctx(WorkerCtx):
 
 
 def floor_write(tensors, path: str) -> None:
-    from shardfmt.tensor_bytes import byte_view
+    from shardfmt.format.tensor_bytes import byte_view
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -298,7 +298,7 @@ def floor_read(reads: list[tuple[str, int, memoryview]]) -> None:
 
 def floor_reads_rows(spec, floor_dir: str, src_world: int, dst_world: int, q: int, locals_) -> list:
     """Row-sharded targets (dst_world ranks, this is rank q) from a src_world-rank floor save."""
-    from shardfmt.tensor_bytes import byte_view
+    from shardfmt.format.tensor_bytes import byte_view
 
     offs = floor_offsets(spec, src_world)
     reads = []
@@ -317,7 +317,7 @@ def floor_reads_rows(spec, floor_dir: str, src_world: int, dst_world: int, q: in
 
 def floor_reads_cols(spec, floor_dir: str, src_world: int, dst_world: int, q: int, locals_) -> list:
     """Column-sharded targets: the same *number* of bytes, read contiguously (idealised bound)."""
-    from shardfmt.tensor_bytes import byte_view
+    from shardfmt.format.tensor_bytes import byte_view
 
     offs = floor_offsets(spec, src_world)
     reads = []
@@ -333,8 +333,8 @@ def floor_reads_cols(spec, floor_dir: str, src_world: int, dst_world: int, q: in
 
 def needed_chunk_rounded(path: str, boxes) -> tuple[int, int]:
     """(exact needed bytes, needed bytes rounded out to whole hash chunks) for ``boxes``."""
-    from reshard.planner import TargetSlice, plan_load
-    from shardfmt.reader import open_checkpoint
+    from shardfmt.loading.planner import TargetSlice, plan_load
+    from shardfmt.loading.reader import open_checkpoint
 
     m = open_checkpoint(path).manifest
     plan = plan_load(m, [TargetSlice(index=i, fqn=f, box=b) for i, (f, b) in enumerate(boxes)],
@@ -428,7 +428,7 @@ def job_main(ctx: Ctx) -> None:
     from torch.distributed.tensor import Shard
 
     import shardfmt
-    from reshard.geometry import Box
+    from shardfmt.layout.geometry import Box
 
     a = ctx.args
     W, rank = ctx.world, ctx.rank
@@ -514,7 +514,7 @@ def job_small(ctx: Ctx, mesh) -> None:
     import torch
 
     import shardfmt
-    from shardfmt.hashing import ChunkHasher
+    from shardfmt.format.hashing import ChunkHasher
 
     if hasattr(ChunkHasher.update, "__wrapped__"):  # per-piece: too fine-grained for 50k tiny tensors
         ChunkHasher.update = ChunkHasher.update.__wrapped__
@@ -578,7 +578,7 @@ def job_load(ctx: Ctx) -> None:
     """Load a src_world-rank checkpoint on this job's world: dim-0 (DTensor Shard(0)) or full (1 process)."""
     import torch
 
-    from reshard.geometry import Box
+    from shardfmt.layout.geometry import Box
 
     a = ctx.args
     T, q = ctx.world, ctx.rank

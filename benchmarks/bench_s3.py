@@ -40,7 +40,7 @@ against the formula.
 Saves: peak RSS growth per rank (VmRSS — /proc/self/statm's resident field, the same
 figure as /proc/self/status's VmRSS — sampled every 2 ms in a thread; baseline just
 before the call, after gc + malloc_trim). For shardfmt on S3 it is compared with
-2 x S3_PART_SIZE x S3_WRITE_CONCURRENCY (shardfmt.objstore's defaults).
+2 x S3_PART_SIZE x S3_WRITE_CONCURRENCY (shardfmt.io.fsspec's defaults).
 
 Targets (PASS/MISS):
   dim0 2->4 on S3: bytes at the server, shardfmt / DCP <= 0.6
@@ -579,7 +579,7 @@ def main(argv=None) -> int:
     p.add_argument("--job-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     size = 64 if args.quick else args.size_mib
-    from shardfmt.objstore import S3_PART_SIZE, S3_WRITE_CONCURRENCY
+    from shardfmt.io.fsspec import S3_PART_SIZE, S3_WRITE_CONCURRENCY
 
     rss_bound = 2 * S3_PART_SIZE * S3_WRITE_CONCURRENCY
     scratch = args.dir or tempfile.mkdtemp(prefix="shardfmt-s3bench-", dir="/tmp")

@@ -74,7 +74,7 @@ from common import (
 )
 
 import shardfmt
-from shardfmt.tensor_bytes import byte_view
+from shardfmt.format.tensor_bytes import byte_view
 
 # ----------------------------------------------------------------------------- state
 

@@ -315,7 +315,7 @@ class Bench:
             h.copy_(t, non_blocking=self.cuda)
 
     def write_file(self, path: str, hashed: bool) -> None:
-        from shardfmt.tensor_bytes import byte_view
+        from shardfmt.format.tensor_bytes import byte_view
 
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -329,7 +329,7 @@ class Bench:
             os.close(fd)
 
     def read_file(self, path: str, hashed: bool) -> None:
-        from shardfmt.tensor_bytes import byte_view
+        from shardfmt.format.tensor_bytes import byte_view
 
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -1,18 +1,7 @@
-"""reshard: topology, the pure load planner, and offline tools: ``reshard.convert.convert`` (a
-checkpoint for a new mesh), ``reshard.hf.export_hf`` / ``import_hf`` (the Hugging Face layout)."""
+"""reshard: offline tools on top of shardfmt.
 
-import shardfmt as _shardfmt  # noqa: F401  (import order: shardfmt's API imports reshard's planner)
-
-from .geometry import Box, ByteRange, intersect
-from .planner import CopyItem, LoadPlan, PhysicalRead, TargetSlice, plan_load
-
-__all__ = [
-    "Box",
-    "ByteRange",
-    "CopyItem",
-    "LoadPlan",
-    "PhysicalRead",
-    "TargetSlice",
-    "intersect",
-    "plan_load",
-]
+``reshard.convert.convert`` (a checkpoint for a new mesh), ``reshard.hf.export_hf`` /
+``import_hf`` (the Hugging Face layout), ``reshard.dcp_import.import_dcp`` (a DCP checkpoint,
+without running its pickles), and the ``reshard`` command line. The planner, geometry and
+topology they use live in ``shardfmt.load`` and ``shardfmt.layout``.
+"""

@@ -16,39 +16,21 @@ import sys
 
 import orjson
 
+from reshard.convert import convert, parse_mesh
+from reshard.dcp_import import TRUST_PICKLE_HELP, import_dcp
+from reshard.hf import export_hf, import_hf
+from reshard.stream import human
 from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from shardfmt.storage import parse_storage_options
-
-from .geometry import Box
-from .planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
-from .topology import Mesh, count_layers, held_boxes, layout_from_record, retarget
-
-
-def targets_for_rank(manifest, mesh: Mesh, rank: int, *, layouts=None) -> list[TargetSlice]:
-    """Every slice ``rank`` of ``mesh`` holds, each tensor laid out as it was saved, or as
-    ``layouts`` (fqn -> Layout on ``mesh``, e.g. from a rules file) says where it has an entry."""
-    coords = mesh.coords(rank)
-    sizes = dict(mesh.dims)
-    n_layers = count_layers(manifest.tensors)
-    out: list[TargetSlice] = []
-    for fqn in sorted(manifest.tensors):
-        name, rec = manifest.resolve(fqn)
-        if rec.view is not None or name != fqn:
-            continue  # aliases and views are filled from what they point at
-        lay = layouts.get(fqn) if layouts is not None else None
-        if lay is None:
-            lay = retarget(fqn, layout_from_record(rec.placement), mesh, num_layers=n_layers)
-        for hb in held_boxes(rec.shape, lay, coords, sizes):
-            out.append(TargetSlice(index=len(out), fqn=fqn, box=hb.box))
-    return out
+from shardfmt.io.registry import parse_storage_options
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.topology import Mesh
+from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, plan_load
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.loading.targets import targets_for_rank
 
 
 def cmd_plan(args) -> int:
-    from shardfmt.reader import open_checkpoint
-
-    from .convert import parse_mesh
-
     mesh = parse_mesh(args.mesh)
     if not 0 <= args.rank < mesh.world_size:
         print(f"reshard: error: --rank {args.rank} is outside a mesh of {mesh.world_size} ranks", file=sys.stderr)
@@ -78,8 +60,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_import_dcp(args) -> int:
-    from .dcp_import import TRUST_PICKLE_HELP, import_dcp
-
     if not args.trust_pickle:
         print(f"reshard: error: import-dcp needs --trust-pickle. {TRUST_PICKLE_HELP}", file=sys.stderr)
         return 2
@@ -96,15 +76,11 @@ def cmd_import_dcp(args) -> int:
 
 
 def _summary(nbytes: int, seconds: float) -> str:
-    from .stream import human
-
     rate = f", {human(nbytes / seconds)}/s" if seconds > 0 else ""
     return f"{human(nbytes)} in {seconds:.2f} s{rate}"
 
 
 def cmd_convert(args) -> int:
-    from .convert import convert
-
     rep = convert(args.src, args.dst, args.mesh, rules=args.rules, memory_budget=args.memory_budget,
                   dtype=args.dtype, verify=not args.no_verify, overwrite=args.overwrite, per_rank=args.per_rank,
                   deep_validate=args.deep_validate, storage_options=_opts(args), progress=not args.no_progress)
@@ -124,8 +100,6 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export_hf(args) -> int:
-    from .hf import export_hf
-
     rep = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, only=args.only,
                     strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, config=args.config,
                     memory_budget=args.memory_budget, verify=not args.no_verify, overwrite=args.overwrite,
@@ -147,8 +121,6 @@ def cmd_export_hf(args) -> int:
 
 
 def cmd_import_hf(args) -> int:
-    from .hf import import_hf
-
     rep = import_hf(args.src, args.dst, mesh=args.mesh, rules=args.rules, dtype=args.dtype,
                     memory_budget=args.memory_budget, overwrite=args.overwrite, storage_options=_opts(args),
                     progress=not args.no_progress)

@@ -4,8 +4,8 @@
 slices it will load, so the new job loads on the fast path (each rank reads its own file);
 a slice several ranks hold (replicated over dp, or a tensor outside every pp stage) is
 written once, by the holder the save-time balancing rule picks
-(``shardfmt.distributed.assign_writers``). Placements come from the source manifest,
-retargeted to the new mesh, or from a rules file (``reshard.rules``).
+(``shardfmt.saving.distributed.assign_writers``). Placements come from the source manifest,
+retargeted to the new mesh, or from a rules file (``shardfmt.layout.rules``).
 
 Protocol::
 
@@ -33,18 +33,7 @@ from typing import Any
 
 import torch
 
-from shardfmt import jsonvalue
-from shardfmt.dtypes import dtype_code, torch_dtype
-from shardfmt.errors import CommitError, IntegrityError, ShardfmtError, StateDictError
-from shardfmt.manifest import Manifest, Placement, Topology, ValueRecord
-from shardfmt.reader import open_checkpoint
-from shardfmt.storage import Storage, get_storage
-from shardfmt.writer import CheckpointWriter, ShardSpec, file_order
-
-from .cli import targets_for_rank
-from .geometry import Box
-from .rules import Rules, load_rules, plan_layouts
-from .stream import (
+from reshard.stream import (
     DEFAULT_BUDGET,
     Buffers,
     Piece,
@@ -59,7 +48,21 @@ from .stream import (
     verify_headers,
     window_capacity,
 )
-from .topology import Layout, Mesh, TopologyError
+from shardfmt.errors import CommitError, IntegrityError, ShardfmtError, StateDictError
+from shardfmt.format import jsonvalue
+from shardfmt.format.dtypes import dtype_code, torch_dtype
+from shardfmt.format.manifest import Manifest, Placement, Topology, ValueRecord
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.dtensor import placement_record
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.rules import Rules, load_rules, plan_layouts
+from shardfmt.layout.topology import Layout, Mesh, TopologyError
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.loading.targets import targets_for_rank
+from shardfmt.saving.distributed import assign_writers
+from shardfmt.saving.writer import CheckpointWriter, ShardSpec, file_order
+from shardfmt.validation import validate
 
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what --dtype casts (float8 kinds stay as they are)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16,
@@ -129,13 +132,6 @@ class ConvertReport:
 # ----------------------------------------------------------------------------- planning (pure)
 
 
-def placement_record(layout: Layout | None) -> Placement | None:
-    """The manifest's record of a Layout."""
-    from shardfmt.distributed import _layout_record
-
-    return None if layout is None else _layout_record(layout)
-
-
 def stored_records(m: Manifest) -> dict[str, tuple[tuple[int, ...], Placement | None]]:
     """Every tensor record stored by shards (not an alias or view): name -> (shape, placement)."""
     return {f: (tuple(r.shape), r.placement) for f, r in m.tensors.items() if r.alias_of is None and r.view is None}
@@ -146,8 +142,6 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
     """Return every new rank's file: the boxes each rank holds on ``mesh``, each distinct box
     written by one holder (``assign_writers``: largest first, to the least-loaded holder), in
     file order. ``dtypes`` is the output dtype of every stored record and storage."""
-    from shardfmt.distributed import assign_writers
-
     descs = []
     held: dict[int, list[tuple[str, Box]]] = {}
     for rank in range(mesh.world_size):
@@ -194,8 +188,6 @@ def _staged_check(source: Manifest, cast: torch.dtype | None, *, deep: bool, ext
     """Validate the staged result (everything but the commit marker) and compare it with the
     source: the same tensors (plus ``extra_aliases``) with the same shapes, kinds and (cast)
     dtypes, and the values expected."""
-    from shardfmt.validation import validate
-
     def check(storage: Storage, path: str) -> None:
         report = validate(path, deep=deep, storage=storage)
         problems = [p for p in report.problems if p.code != "not_committed"]

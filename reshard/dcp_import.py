@@ -50,19 +50,19 @@ from typing import Any
 
 import torch
 
-from shardfmt import hashing, jsonvalue
-from shardfmt.dtypes import dtype_code
+from reshard.convert import refuse_overlap
+from reshard.dcp_metadata import DcpLocation, DcpMetadata, parse_metadata
 from shardfmt.errors import CheckpointNotFoundError, DcpImportError, EncodingError
-from shardfmt.manifest import Manifest, Topology, check_step
-from shardfmt.storage import Storage, get_storage
-from shardfmt.tensor_bytes import BufferFile
-from shardfmt.writer import CheckpointWriter, ShardData
-
-from .convert import refuse_overlap
-from .dcp_metadata import DcpLocation, DcpMetadata, parse_metadata
-from .geometry import Box
-from .tiling import tiling_problems
-from .topology import MAX_WORLD
+from shardfmt.format import hashing, jsonvalue
+from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.manifest import Manifest, Topology, check_step
+from shardfmt.format.tensor_bytes import BufferFile
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.tiling import tiling_problems
+from shardfmt.layout.topology import MAX_WORLD
+from shardfmt.saving.writer import CheckpointWriter, ShardData
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # decoded tensor bytes held at once (one part of a rank's file)
 METADATA_LIMIT = 1 << 31  # largest .metadata read

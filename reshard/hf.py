@@ -36,23 +36,7 @@ from typing import Any
 import orjson
 import torch
 
-from shardfmt import jsonvalue
-from shardfmt.dtypes import dtype_code
-from shardfmt.errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    MissingKeyError,
-    ShardfmtError,
-    StateDictError,
-)
-from shardfmt.hashing import digest_bytes
-from shardfmt.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, Topology
-from shardfmt.reader import open_checkpoint
-from shardfmt.safetensors_io import PREFIX_BYTES, decode_header, encode_header, header_length
-from shardfmt.storage import Storage, get_storage
-from shardfmt.writer import FileStream
-
-from .convert import (
+from reshard.convert import (
     out_dtype,
     parse_dtype,
     parse_mesh,
@@ -60,15 +44,15 @@ from .convert import (
     stored_records,
     write_checkpoint,
 )
-from .geometry import Box, box_spans
-from .rules import Rules, load_rules, plan_layouts
-from .stream import (
+from reshard.stream import (
     DEFAULT_BUDGET,
     Buffers,
+    Part,
     Piece,
     Progress,
     Source,
     Strided,
+    Window,
     fill_window,
     fit_uploads,
     memory_plan,
@@ -78,7 +62,25 @@ from .stream import (
     verify_headers,
     window_capacity,
 )
-from .topology import Mesh
+from shardfmt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    MissingKeyError,
+    ShardfmtError,
+    StateDictError,
+)
+from shardfmt.format import jsonvalue
+from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.hashing import digest_bytes
+from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, Topology
+from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, encode_header, header_length
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box, box_spans
+from shardfmt.layout.rules import Rules, load_rules, plan_layouts
+from shardfmt.layout.topology import Mesh
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.saving.writer import FileStream
 
 HF_CONFIG_KEY = "hf_config"  # manifest metadata key holding a transformers config.json (spec section 8.1)
 INDEX_NAME = "model.safetensors.index.json"
@@ -367,7 +369,6 @@ def equal_records(source: Source, a: str, b: str, buffers: Buffers) -> bool:
     dt = out_dtype(rec.dtype, None)
     slot = buffers.slots[0]
     cap = max(dt.itemsize, (slot.numel() // 2) // 8 * 8)
-    from .stream import Part, Window
 
     for span in box_spans(rec.shape, Box.full(rec.shape), dt.itemsize, max_span=cap) if _numel(rec.shape) else []:
         n = span.box.numel * dt.itemsize

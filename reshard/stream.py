@@ -40,16 +40,15 @@ from typing import Protocol
 
 import torch
 
-from shardfmt.dtypes import torch_dtype
 from shardfmt.errors import PlanError, ShardfmtError
-from shardfmt.manifest import Manifest
-from shardfmt.reader import check_headers
-from shardfmt.storage import Storage
-from shardfmt.tensor_bytes import byte_pieces, byte_view
-
-from .executor import DEFAULT_WORKERS, Executor
-from .geometry import Box, box_spans, intersect, is_run, row_major_strides
-from .planner import DEFAULT_MAX_READ, TargetSlice, plan_load
+from shardfmt.format.dtypes import torch_dtype
+from shardfmt.format.manifest import Manifest
+from shardfmt.format.tensor_bytes import byte_pieces, byte_view
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box, box_spans, intersect, is_run, row_major_strides
+from shardfmt.loading.executor import DEFAULT_WORKERS, Executor
+from shardfmt.loading.planner import DEFAULT_MAX_READ, TargetSlice, plan_load
+from shardfmt.loading.reader import check_headers
 
 DEFAULT_BUDGET = 1 << 30
 MIN_BUDGET = 1 << 20
@@ -165,7 +164,7 @@ def fit_uploads(storage, budget: int) -> int:
     """Make an object store's upload buffers part of ``budget``; return what is left for data.
 
     A multipart upload holds ``(write_concurrency + 1) x part_size`` bytes of part buffers
-    (shardfmt.objstore), and the S3 client about UPLOAD_CLIENT_BYTES more while requests are in
+    (shardfmt.io.fsspec), and the S3 client about UPLOAD_CLIENT_BYTES more while requests are in
     flight (measured). For one file open at a time, parts shrink to ``budget / 16`` (at least
     S3's 5 MiB) and at most ``budget / 8`` of parts are in flight; local disk needs nothing.
     """

@@ -3,12 +3,9 @@
 Public API only; the implementation lives in the submodules.
 """
 
-__version__ = "0.1.0"
-
-from .api import LoadReport, load, save  # noqa: E402
-from .async_save import AsyncSave, Stager, async_save  # noqa: E402
-from .checkpointer import Checkpointer, CompatibilityError  # noqa: E402
-from .errors import (  # noqa: E402
+from shardfmt._version import __version__  # noqa: E402
+from shardfmt.api import LoadReport, load, save  # noqa: E402
+from shardfmt.errors import (
     AccessDeniedError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -29,14 +26,16 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafePickleError,
 )
-from .manifest import Manifest  # noqa: E402
-from .reader import open_checkpoint, read_manifest  # noqa: E402
-from .sampler import ResumableSampler  # noqa: E402
-from .state import IfSaved, PerRank, ShardedTensor  # noqa: E402
-from .storage import io_stats  # noqa: E402
-from .train_state import get_state_dict, set_state_dict  # noqa: E402
-from .validation import Problem, ValidationReport, validate  # noqa: E402
-from .writer import CheckpointWriter, ShardData  # noqa: E402
+from shardfmt.format.manifest import Manifest  # noqa: E402
+from shardfmt.io.storage import io_stats  # noqa: E402
+from shardfmt.layout.state import IfSaved, PerRank, ShardedTensor  # noqa: E402
+from shardfmt.loading.reader import open_checkpoint, read_manifest  # noqa: E402
+from shardfmt.saving.async_save import AsyncSave, Stager, async_save  # noqa: E402
+from shardfmt.saving.writer import CheckpointWriter, ShardData  # noqa: E402
+from shardfmt.training.checkpointer import Checkpointer, CompatibilityError  # noqa: E402
+from shardfmt.training.sampler import ResumableSampler  # noqa: E402
+from shardfmt.training.train_state import get_state_dict, set_state_dict  # noqa: E402
+from shardfmt.validation import Problem, ValidationReport, validate  # noqa: E402
 
 __all__ = [
     "__version__",

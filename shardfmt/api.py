@@ -18,18 +18,7 @@ from typing import Any
 
 import torch
 
-from reshard.executor import DEFAULT_WORKERS, Executor
-from reshard.geometry import Box
-from reshard.planner import (
-    DEFAULT_MAX_BOUNCE_READ,
-    DEFAULT_MAX_READ,
-    TargetSlice,
-    plan_load,
-)
-
-from . import hashing, jsonvalue
-from .dtypes import dtype_code, torch_dtype
-from .errors import (
+from shardfmt.errors import (
     DTypeError,
     IntegrityError,
     ManifestError,
@@ -38,9 +27,13 @@ from .errors import (
     ShardfmtError,
     StateDictError,
 )
-from .manifest import MAX_NDIM, Manifest, ViewRecord
-from .reader import check_headers, open_checkpoint
-from .state import (
+from shardfmt.format import hashing, jsonvalue
+from shardfmt.format.dtypes import torch_dtype
+from shardfmt.format.manifest import Manifest, ViewRecord
+from shardfmt.format.tensor_bytes import is_direct
+from shardfmt.layout.dtensor import dtensor_layout
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.state import (
     Leaf,
     PerRank,
     ShardedTensor,
@@ -50,8 +43,23 @@ from .state import (
     set_leaf,
     settle_if_saved,
 )
-from .tensor_bytes import is_direct
-from .writer import DEFAULT_PART_SIZE
+from shardfmt.layout.topology import held_boxes
+from shardfmt.loading.executor import DEFAULT_WORKERS, Executor
+from shardfmt.loading.planner import (
+    DEFAULT_MAX_BOUNCE_READ,
+    DEFAULT_MAX_READ,
+    TargetSlice,
+    plan_load,
+)
+from shardfmt.loading.reader import check_headers, open_checkpoint
+from shardfmt.saving.distributed import (
+    in_distributed_job,
+    prepare,
+    run_save,
+    save_distributed,
+)
+from shardfmt.saving.sharing import extent
+from shardfmt.saving.writer import DEFAULT_PART_SIZE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,63 +76,6 @@ class LoadReport:
 
 
 # ----------------------------------------------------------------------------- save
-
-
-def _check_saveable(fqn: str, t: torch.Tensor) -> None:
-    if t.device.type == "meta":
-        raise StateDictError(f"{fqn}: a meta tensor has no data to save")
-    if t.is_nested:
-        raise StateDictError(f"{fqn}: nested tensors cannot be saved; save their components "
-                             "(unbind()) as separate tensors")
-    if t.is_sparse or t.layout != torch.strided:
-        raise StateDictError(f"{fqn}: only dense (strided) tensors can be saved, got layout {t.layout}")
-    dtype_code(t.dtype, what=fqn)
-    if t.dim() > MAX_NDIM:
-        raise StateDictError(f"{fqn}: {t.dim()} dims exceed the format's limit of {MAX_NDIM}")
-
-
-def _storage_key(t: torch.Tensor) -> tuple | None:
-    if t.numel() == 0:
-        return None
-    ptr = t.untyped_storage().data_ptr()
-    return None if ptr == 0 else (t.device.type, t.device.index, ptr)
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements from the storage offset to one past the last element the view reaches."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
-def _plan_sharing(plain: dict[str, torch.Tensor]):
-    """Split plain tensors into stored ones, aliases and views of shared storages."""
-    groups: dict[tuple, list[str]] = {}
-    for fqn, t in plain.items():
-        key = _storage_key(t)
-        if key is not None:
-            groups.setdefault(key, []).append(fqn)
-    stored = dict(plain)
-    aliases: dict[str, str] = {}
-    views: dict[str, tuple[str, ViewRecord]] = {}
-    storages: dict[str, torch.Tensor] = {}
-    for names in sorted((sorted(v) for v in groups.values() if len(v) > 1), key=lambda v: v[0]):
-        ts = [plain[n] for n in names]
-        sig = {(t.dtype, t.storage_offset(), tuple(t.shape), t.stride()) for t in ts}
-        if len(sig) == 1:
-            for n in names[1:]:
-                aliases[n] = names[0]
-                del stored[n]
-            continue
-        if len({t.dtype for t in ts}) != 1:
-            continue  # reinterpreted bytes of different dtypes: store each on its own
-        lo = min(t.storage_offset() for t in ts)
-        hi = max(t.storage_offset() + _extent(t) for t in ts)
-        base_name = f".storage.{names[0]}"  # a leading dot: never a user FQN; unique per group
-        storages[base_name] = torch.as_strided(ts[0], (hi - lo,), (1,), lo)
-        for n, t in zip(names, ts):
-            views[n] = (base_name, ViewRecord(base=base_name, storage_offset=t.storage_offset() - lo,
-                                              stride=tuple(t.stride())))
-            del stored[n]
-    return stored, aliases, views, storages
 
 
 def save(
@@ -157,7 +108,7 @@ def save(
     rank calls ``save`` with its own state: DTensors, ShardedTensors, replicated plain
     tensors and values, ``PerRank`` values. Every rank writes its own file in parallel,
     replicated data is written once, and rank 0 commits after every rank succeeded
-    (see ``shardfmt.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
+    (see ``shardfmt.saving.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
     the job's layout in the manifest; ``timeout`` bounds every collective. Every rank must
     save the same ``step`` to the same place (else every rank raises StateDictError before
     anything is staged). A replicated value that differs across ranks is saved as the lowest
@@ -166,8 +117,6 @@ def save(
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel.
     """
-    from .distributed import in_distributed_job, prepare, run_save, save_distributed
-
     if in_distributed_job(process_group):
         return save_distributed(
             state_dict, path, step=step, metadata=metadata, overwrite=overwrite,
@@ -206,10 +155,6 @@ def _targets_of(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]
     if isinstance(v, ShardedTensor):
         return v.local, [(v.local, Box(v.offsets, tuple(v.local.shape)))], v.global_shape
     if _is_dtensor(v):
-        from reshard.topology import held_boxes
-
-        from .distributed import dtensor_layout
-
         try:
             layout, coords, sizes = dtensor_layout(v)
         except StateDictError as e:
@@ -253,7 +198,7 @@ def load(
     checkpoint holds in another shape (entries under it, or one value above it: a fresh
     optimizer's ``state_dict()`` against a stepped one's) raises ``StateDictError`` either way.
     ``IfSaved`` subtrees (``shardfmt.get_state_dict``) get the leaves the checkpoint holds and
-    lose the others, which are never missing (see ``shardfmt.state``).
+    lose the others, which are never missing (see ``shardfmt.layout.state``).
 
     Works on any topology: every rank (under torch.distributed, or ``rank=`` given) plans
     its own reads from its own targets — DTensors (any mesh and placements), ShardedTensor
@@ -440,7 +385,7 @@ def _sharing_memory(tensors: list[torch.Tensor], indices: list[int]) -> frozense
         if t.device.type != "cpu" or t.numel() == 0:
             continue
         lo = t.data_ptr()
-        spans.append((lo, lo + _extent(t) * t.element_size(), i))
+        spans.append((lo, lo + extent(t) * t.element_size(), i))
     spans.sort()
     out: set[int] = set()
     cluster: list[int] = []  # spans chained by overlaps: all of them bounce

@@ -16,8 +16,12 @@ from collections import Counter
 
 import orjson
 
-from .errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from .storage import parse_storage_options
+from shardfmt.demo.run import prepare_dir, run_demo
+from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from shardfmt.io.registry import get_storage, parse_storage_options
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.training.roots import collect_garbage, list_checkpoints, require_root
+from shardfmt.validation import validate
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
 
@@ -79,8 +83,6 @@ def _usage(msg: str) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validation import validate
-
     report = validate(args.path, deep=args.deep, storage_options=_storage_options(args))
     if args.json:
         _print_json(report.to_json())
@@ -116,8 +118,6 @@ def inspect_summary(manifest) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    from .reader import open_checkpoint
-
     ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
     info = inspect_summary(ckpt.manifest)
     if args.json:
@@ -141,8 +141,6 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    from .roots import list_checkpoints
-
     rows = list_checkpoints(args.root, _storage_options(args))
     if args.json:
         _print_json(rows)
@@ -160,9 +158,6 @@ def cmd_ls(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .roots import collect_garbage, require_root
-    from .storage import get_storage
-
     storage, root = get_storage(args.root, _storage_options(args))
     require_root(storage, root)
     removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run)
@@ -177,8 +172,6 @@ def cmd_gc(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import prepare_dir, run_demo
-
     if args.dir is not None:
         why = prepare_dir(args.dir)
         if why is not None:

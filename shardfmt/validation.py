@@ -6,7 +6,7 @@ COMMITTED records; format version supported (a later version's checkpoint gets t
 rejects first); then the JSON Schema on a bounded sample of the manifest (``schema_sample``);
 every listed file present with its recorded size; each safetensors header agrees with the
 manifest (names, dtypes, shapes, byte ranges); derived digests agree with the chunk digests;
-each tensor's shards tile its shape (``reshard.tiling``: linear in the shards).
+each tensor's shards tile its shape (``shardfmt.layout.tiling``: linear in the shards).
 ``deep=True`` additionally re-hashes every chunk of every file and reports each mismatch
 with its file and byte range.
 """
@@ -19,19 +19,16 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
-from reshard.geometry import Box
-from reshard.tiling import tiling_problems
-
-from . import hashing
-from .errors import (
+from shardfmt.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
     ShardfmtError,
     SpecialFileError,
     StorageError,
 )
-from .jsonscan import Lazy
-from .manifest import (
+from shardfmt.format import hashing, jsonvalue
+from shardfmt.format.jsonscan import Lazy
+from shardfmt.format.manifest import (
     COMMITTED_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -40,9 +37,12 @@ from .manifest import (
     manifest_from_obj,
     migrate,
 )
-from .reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
-from .safetensors_io import PREFIX_BYTES, decode_header, decode_origins, header_length
-from .storage import Storage, get_storage
+from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.tiling import tiling_problems
+from shardfmt.loading.reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok
 
 READ_PIECE = 16 << 20
 
@@ -248,8 +248,6 @@ def validate(path: str, *, deep: bool = False, storage_options: dict | None = No
 
 def _check_values(m: Manifest, problems: list[Problem]) -> None:
     """Every typed-JSON value (and the metadata) must decode."""
-    from . import jsonvalue
-
     items = [("metadata", m.metadata)]
     for fqn, rec in m.values.items():
         if rec.per_rank is None:

@@ -87,7 +87,7 @@ def as_next_format_version(path: str, where: str) -> None:
     "COMMITTED") its COMMITTED carries ``format_version`` 2 and a field version 1 does not know."""
     import orjson
 
-    from shardfmt import hashing
+    from shardfmt.format import hashing
 
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         raw = f.read()

@@ -7,9 +7,9 @@ import os
 
 import orjson
 
-from shardfmt import hashing
-from shardfmt.hashing import digest_bytes
-from shardfmt.manifest import COMMITTED_NAME, MANIFEST_NAME, CommitRecord
+from shardfmt.format import hashing
+from shardfmt.format.hashing import digest_bytes
+from shardfmt.format.manifest import COMMITTED_NAME, MANIFEST_NAME, CommitRecord
 
 
 def recommit(path: str, raw: bytes, save_id: str) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import shardfmt
-from shardfmt import commit as commit_mod
-from shardfmt.checkpointer import Checkpointer
+from shardfmt.commit import protocol as commit_mod
+from shardfmt.training.checkpointer import Checkpointer
 
 
 def _model_state(seed=0):
@@ -135,7 +135,7 @@ def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_re
     """With overlap the writer waits piece by piece: ``ready(i)`` returns once buffer ``i`` holds
     its copy (not before ``run``), and a copy that fails makes the later pieces' ``ready`` raise
     the project's error (so every rank's save fails instead of writing stale bytes)."""
-    from shardfmt.async_save import StagedCopy
+    from shardfmt.saving.async_save import StagedCopy
 
     src = [torch.arange(6.0), torch.ones(3, 4)]
     copy = shardfmt.Stager(overlap=True).begin(src)
@@ -262,7 +262,7 @@ def test_five_back_to_back_saves_stay_within_one_staging_copy(tmp_path):
         handle.wait()
         peaks.append(p.stop() - base)
         if i >= 2:
-            commit_mod.abort(shardfmt.storage.LocalStorage(), str(tmp_path / f"s{i - 2}"))
+            commit_mod.abort(shardfmt.io.storage.LocalStorage(), str(tmp_path / f"s{i - 2}"))
     print("peaks", [round(p / state_bytes, 3) for p in peaks])
     assert stager.nbytes == state_bytes
     assert max(peaks) <= 1.10 * state_bytes, [p / state_bytes for p in peaks]
@@ -291,7 +291,7 @@ def test_checkpointer_async_latest_never_names_an_in_flight_save(tmp_path, monke
 def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, monkeypatch):
     """Ctrl-C during the call's copy: the interrupt propagates, nothing is written, and the
     handle is done, so the interpreter's exit (which waits for in-flight saves) does not hang."""
-    from shardfmt.async_save import _LIVE, StagedCopy
+    from shardfmt.saving.async_save import _LIVE, StagedCopy
 
     def interrupted(self):
         raise KeyboardInterrupt
@@ -317,14 +317,14 @@ def test_a_save_still_writing_when_the_script_ends_is_committed_before_exit(tmp_
 
     script = textwrap.dedent(f"""
         import time, torch, shardfmt
-        import shardfmt.writer as W
-        from shardfmt.checkpointer import Checkpointer
+        import shardfmt.saving.writer as W
+        from shardfmt.training.checkpointer import Checkpointer
         real = W.write_shard_file
         def slow(*a, **k):
             time.sleep(1.0)  # still writing when the main thread ends
             return real(*a, **k)
         W.write_shard_file = slow
-        import shardfmt.distributed as D
+        import shardfmt.saving.distributed as D
         D.write_shard_file = slow
         real_rank = W.CheckpointWriter.write_rank
         def slow_rank(self, *a, **k):

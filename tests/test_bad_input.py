@@ -9,8 +9,8 @@ import torch
 from conftest import flip_byte
 
 import shardfmt
-from shardfmt import hashing
-from shardfmt.manifest import CommitRecord
+from shardfmt.format import hashing
+from shardfmt.format.manifest import CommitRecord
 
 
 @pytest.fixture
@@ -199,8 +199,8 @@ def test_non_json_manifest(saved):
 
 def test_manifest_over_the_limit(saved, monkeypatch):
     path, _ = saved
-    import shardfmt.manifest as mf
-    import shardfmt.reader as rd
+    import shardfmt.format.manifest as mf
+    import shardfmt.loading.reader as rd
 
     monkeypatch.setattr(rd, "MAX_MANIFEST_BYTES", 100)
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 100)
@@ -234,7 +234,7 @@ def test_newer_format_version_names_both(saved):
 
 def test_older_version_goes_through_migration(saved, monkeypatch):
     path, full = saved
-    import shardfmt.manifest as mf
+    import shardfmt.format.manifest as mf
 
     recommit(path, lambda o: (o.__setitem__("format_version", 0), o.__setitem__("legacy_field", 1)))
     with pytest.raises(shardfmt.FormatVersionError, match="no migration"):
@@ -301,7 +301,7 @@ def test_a_bad_step_fails_before_any_data_is_written(tmp_path, monkeypatch, step
     def no_writer(*a, **k):
         raise AssertionError("a save with a bad step must not start writing")
 
-    monkeypatch.setattr("shardfmt.distributed.CheckpointWriter", no_writer)
+    monkeypatch.setattr("shardfmt.saving.distributed.CheckpointWriter", no_writer)
     path = str(tmp_path / "ck")
     with pytest.raises(shardfmt.StateDictError, match="step must be"):
         shardfmt.save({"w": torch.ones(3)}, path, step=step)

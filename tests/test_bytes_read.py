@@ -95,8 +95,8 @@ def test_verified_column_slice_reads_each_hash_chunk_once(big):
 def test_two_column_targets_of_one_tensor_read_each_chunk_once(tmp_path):
     """Two column halves interleave row by row in the file: a read must not re-read the chunk
     it shares with the next one, even when the next copy starts inside the read's first chunk."""
-    from reshard.geometry import Box
-    from reshard.planner import TargetSlice, plan_load
+    from shardfmt.layout.geometry import Box
+    from shardfmt.loading.planner import TargetSlice, plan_load
 
     path = str(tmp_path / "c")
     shardfmt.save({"w": torch.randn(16384, 256)}, path)  # 16 MiB, 1 KiB rows
@@ -180,17 +180,17 @@ def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
     import orjson
 
     from reshard.cli import main
-    from reshard.topology import Layout, Shard
-    from shardfmt.distributed import _layout_record
-    from shardfmt.manifest import Topology
+    from shardfmt.format.manifest import Topology
+    from shardfmt.layout.dtensor import placement_record
+    from shardfmt.layout.topology import Layout, Shard
 
     path = str(tmp_path / "ck")
     w = shardfmt.CheckpointWriter(path)
     w.write_rank(0, [
         shardfmt.ShardData(fqn="fc2.weight", data=torch.randn(256, 256), global_shape=(256, 256), offsets=(0, 0),
-                           placement=_layout_record(Layout(("tp",), (Shard(1),)))),
+                           placement=placement_record(Layout(("tp",), (Shard(1),)))),
         shardfmt.ShardData(fqn="fc2.bias", data=torch.randn(256), global_shape=(256,), offsets=(0,),
-                           placement=_layout_record(Layout((), ())))])
+                           placement=placement_record(Layout((), ())))])
     w.commit(topology=Topology(world_size=1, mesh=(("tp", 1),)))
     f = _one_file(path)
     assert main(["plan", path, "--mesh", "tp=2", "--rank", "1", "--json"]) == 0

@@ -11,9 +11,11 @@ import torch
 from conftest import as_next_format_version, flip_byte
 
 import shardfmt
-from shardfmt.checkpointer import Checkpointer, CompatibilityError
-from shardfmt.retention import to_delete
-from shardfmt.sampler import ResumableSampler
+import shardfmt.saving.async_save
+import shardfmt.training.checkpointer
+from shardfmt.training.checkpointer import Checkpointer, CompatibilityError
+from shardfmt.training.retention import to_delete
+from shardfmt.training.sampler import ResumableSampler
 
 
 def make(hidden=16):
@@ -218,7 +220,7 @@ def test_a_failed_restore_that_wrote_into_the_model_is_no_fresh_start(tmp_path):
 
 
 def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_path, monkeypatch):
-    import shardfmt.distributed as D
+    import shardfmt.saving.distributed as D
 
     real = D.run_save
 
@@ -227,7 +229,7 @@ def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_p
             raise shardfmt.CommitError(f"{path}: injected failure")
         return real(prepared, path, **kw)
 
-    monkeypatch.setattr(D, "run_save", failing)
+    monkeypatch.setattr(shardfmt.saving.async_save, "run_save", failing)  # where async_save looks it up
     root = str(tmp_path / "run")
     m = torch.nn.Linear(2, 2)
     ck = Checkpointer(root)
@@ -410,7 +412,7 @@ class _FakeCuda:
 
 
 def test_a_rank_resumed_on_another_device_index_gets_its_own_cuda_rng_stream(monkeypatch):
-    from shardfmt import rng
+    from shardfmt.training import rng
 
     with monkeypatch.context() as mp:
         old = _FakeCuda(mp, 8, current=5)  # rank 5 of 8 GPUs a node
@@ -425,7 +427,7 @@ def test_a_rank_resumed_on_another_device_index_gets_its_own_cuda_rng_stream(mon
 def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_path, monkeypatch):
     """A read that fails (network, throttling: here injected) says nothing about the checkpoint:
     restore and latest() fail, to be retried, and the good newest checkpoint stays where it is."""
-    from shardfmt.storage import LocalStorage
+    from shardfmt.io.storage import LocalStorage
 
     root = str(tmp_path / "run")
     m = torch.nn.Linear(2, 2)
@@ -452,7 +454,7 @@ def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_p
 def test_latest_and_retention_open_a_bounded_number_of_checkpoints(tmp_path, monkeypatch):
     """With keep_every the kept checkpoints grow without end; latest() and each save's retention
     pass must not open every one of them (on S3, ~6 requests and a HEAD per file each)."""
-    import shardfmt.reader as R
+    import shardfmt.training.roots as R  # where latest() and retention look it up
 
     root = str(tmp_path / "run")
     ck = Checkpointer(root, keep_last=2, keep_every=1)  # keep everything
@@ -474,7 +476,7 @@ def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_pat
     retention then deleted the only copies. The next save of the bucket now tries again."""
     import warnings
 
-    import shardfmt.archive as A
+    import shardfmt.training.archive as A
 
     root, arch = str(tmp_path / "root"), str(tmp_path / "arch")
     real, calls = A.copy_checkpoint, []
@@ -485,7 +487,7 @@ def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_pat
             raise shardfmt.StorageError("simulated: the archive is unreachable for a while")
         return real(*a, **k)
 
-    monkeypatch.setattr(A, "copy_checkpoint", flaky)
+    monkeypatch.setattr(shardfmt.training.checkpointer, "copy_checkpoint", flaky)  # where the Checkpointer looks it up
     ck = Checkpointer(root, keep_last=2, archive=arch, archive_every=10, archive_attempts=1)
     m = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():
@@ -514,7 +516,7 @@ def test_restore_takes_the_newest_step_whether_on_the_root_or_in_the_archive(tmp
     assert torch.all(got.weight == 20.0)
     # a root that cannot be listed (a transient failure) fails the restore: the archive's older
     # steps are no answer while the root may hold newer ones
-    import shardfmt.checkpointer as C
+    import shardfmt.training.checkpointer as C
 
     real = C.list_steps
     monkeypatch.setattr(C, "list_steps", lambda st, r: (_ for _ in ()).throw(shardfmt.StorageError("flaky"))
@@ -535,8 +537,8 @@ def test_bad_checkpointer_arguments_are_refused_at_construction(tmp_path, kw):
 def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_path):
     """Job B saves with a 2 h lease; job A's gc on the same root judges by its own 600 s: B's
     heartbeat must come more often than any default lease expires (it came every 30 min)."""
-    from shardfmt.storage import LocalStorage
-    from shardfmt.writer import _Lease
+    from shardfmt.io.storage import LocalStorage
+    from shardfmt.saving.writer import _Lease
 
     lease = _Lease(LocalStorage(), str(tmp_path), 7200.0)
     try:
@@ -594,8 +596,8 @@ def test_a_stored_value_that_does_not_decode_is_the_checkpoints_fault(tmp_path):
     mistake: restore falls back to the previous one instead of raising StateDictError."""
     import orjson
 
-    from shardfmt import hashing
-    from shardfmt.manifest import CommitRecord
+    from shardfmt.format import hashing
+    from shardfmt.format.manifest import CommitRecord
 
     class Counter:
         def __init__(self):
@@ -632,7 +634,7 @@ def test_a_stored_value_that_does_not_decode_is_the_checkpoints_fault(tmp_path):
 
 @pytest.mark.parametrize("where", ["manifest", "COMMITTED"])
 def test_a_newer_format_version_stops_restore_and_is_never_quarantined(tmp_path, where):
-    """A newer release's checkpoint is neither usable nor corrupt (spec 2.1, 9): newer than every
+    """A newer release's checkpoint is neither usable nor corrupt (spec/ROOTS.md section 1, spec section 9): newer than every
     readable one, restore fails naming both versions and the path (resuming step 200 would throw
     away step 300's progress) and renames nothing; once it is moved aside, step 200 is resumed."""
     root = str(tmp_path / "run")

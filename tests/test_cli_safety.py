@@ -17,8 +17,8 @@ from deadline import deadline
 
 import shardfmt
 from reshard.cli import main as reshard_main
-from reshard.topology import Mesh, TopologyError
 from shardfmt.cli import main as shardfmt_main
+from shardfmt.layout.topology import Mesh, TopologyError
 from shardfmt.validation import validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -128,12 +128,12 @@ def test_gc_on_a_missing_root_fails_like_ls(tmp_path, capsys):
 
 
 def test_demo_refuses_a_used_or_non_directory_dir(tmp_path, capsys, monkeypatch):
-    import shardfmt.demo
+    import shardfmt.demo.run
 
     def launch(*a, **k):
         raise AssertionError("the demo started training")
 
-    monkeypatch.setattr(shardfmt.demo, "_launch", launch)
+    monkeypatch.setattr(shardfmt.demo.run, "_launch", launch)
     (tmp_path / "file").write_text("x")
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "A.rank0.jsonl").write_text("{}\n")
@@ -288,7 +288,7 @@ def test_ctrl_c_in_reshard_exits_130_without_a_traceback(tiny, tmp_path, monkeyp
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reshard.convert, "convert", interrupted)
+    monkeypatch.setattr(reshard.cli, "convert", interrupted)  # where the CLI looks it up
     try:
         rc = reshard_main(["convert", tiny, str(tmp_path / "c"), "--mesh", "tp=2", "--no-progress"])
     except KeyboardInterrupt:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import shardfmt
-from shardfmt.commit import STEPS
-from shardfmt.roots import list_checkpoints
-from shardfmt.storage import LocalStorage
+from shardfmt.commit.protocol import STEPS
+from shardfmt.io.storage import LocalStorage
+from shardfmt.training.roots import list_checkpoints
 
 
 class Crash(Exception):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from shardfmt.demo import run_demo
+from shardfmt.demo.run import run_demo
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import shardfmt
-from shardfmt import aligned
 from shardfmt.errors import StorageError
-from shardfmt.storage import LocalStorage
-from shardfmt.writer import ShardData, _gather, write_shard_file
+from shardfmt.io import aligned
+from shardfmt.io.storage import LocalStorage
+from shardfmt.saving.writer import ShardData, _gather, write_shard_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
 
@@ -238,7 +238,7 @@ def test_a_corrupt_chunk_read_directly_is_caught(tmp_path, monkeypatch):
 def test_bytes_other_ranks_may_read_stay_in_the_page_cache(tmp_path, monkeypatch):
     """A rank of a 2-rank job loading a plain (replicated) tensor: its neighbour reads the same
     bytes, so they are read through the page cache (from the device once)."""
-    from shardfmt.manifest import Topology
+    from shardfmt.format.manifest import Topology
 
     w = torch.randn(700_001)
     path = str(tmp_path / "two")
@@ -285,7 +285,7 @@ def test_a_forked_child_has_bounce_buffers_of_its_own():
 
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_only_reads_through_the_page_cache_are_hinted_to_the_kernel(tmp_path, monkeypatch, direct):
-    from shardfmt import storage
+    from shardfmt.io import storage
 
     state, path = _saved(tmp_path)
     monkeypatch.setenv("SHARDFMT_DIRECT_IO", direct)

@@ -39,7 +39,7 @@ def write_golden(path: str) -> None:
     writer.add_alias("model.head", "model.w")
     writer.add_value("optim.param_groups", [{"lr": 0.001, "betas": (0.9, 0.999), "params": ["model.w"]}])
     writer.add_value("rng", per_rank={0: b"\x00\x01", 1: (float("nan"), 1 << 70)})
-    from shardfmt.manifest import Topology
+    from shardfmt.format.manifest import Topology
 
     writer.commit(step=7, metadata={"config": {"layers": 2}}, topology=Topology(world_size=2, mesh=(("dp", 2),)))
 

@@ -18,7 +18,7 @@ from deadline import deadline
 from test_bad_input import recommit
 
 import shardfmt
-from shardfmt import hashing
+from shardfmt.format import hashing
 
 
 def _bad_ndarray(dtype: str = "(-1,)i4", shape=(1,)) -> dict:
@@ -203,7 +203,7 @@ def test_rank_coordinates_are_checked_entry_by_entry(small):
 _PEAK_SCRIPT = """
 import json, sys
 import shardfmt
-from shardfmt import hashing
+from shardfmt.format import hashing
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith(("VmHWM", "VmRSS")):
@@ -272,7 +272,13 @@ def test_opening_any_manifest_takes_at_most_10_bytes_per_byte_plus_64_mib(tmp_pa
 def _write_minimal_shards(path: str, n: int) -> None:
     """A committed manifest (no data needed to open it) of one U8 tensor in ``n`` one-byte shards:
     the shortest shard records the format allows, the most records per byte of manifest."""
-    from shardfmt.manifest import CommitRecord, FileRecord, Manifest, ShardRecord, TensorRecord
+    from shardfmt.format.manifest import (
+        CommitRecord,
+        FileRecord,
+        Manifest,
+        ShardRecord,
+        TensorRecord,
+    )
 
     d = "xxh3-128:" + "0" * 32
     f = FileRecord(rank=0, size=8 + n, header_size=8, header_digest=d, chunks=(d,), digest=d)
@@ -302,8 +308,8 @@ def test_typed_json_within_the_budget_is_kept(small, config):
 def test_a_manifest_parsed_in_pieces_is_the_manifest_parsed_whole(tmp_path, monkeypatch, piece):
     """The bounded parse (members found by a scan, parsed in batches) gives the same records as
     one parse of the whole text, for a manifest with views, aliases, values and metadata."""
-    from shardfmt import jsonscan
-    from shardfmt.manifest import parse_manifest
+    from shardfmt.format import jsonscan
+    from shardfmt.format.manifest import parse_manifest
 
     path = str(tmp_path / "ck")
     base = torch.arange(20, dtype=torch.float32)
@@ -358,7 +364,7 @@ ESCAPED = {  # text orjson would never write: \u escapes of characters beyond La
 def test_the_memory_estimate_bounds_what_parsing_takes(tmp_path):
     """``jsonscan.estimate`` is what lets a large value be parsed whole: it must never be below
     the peak memory orjson takes to parse the text (4 MiB of each kind of dense JSON)."""
-    from shardfmt.jsonscan import estimate
+    from shardfmt.format.jsonscan import estimate
 
     texts = {name: orjson.dumps(make(4 << 20)) for name, make in {**JUNK, **MORE_JUNK}.items()}
     texts.update({name: make(4 << 20) for name, make in ESCAPED.items()})
@@ -419,7 +425,7 @@ def _raw_manifest(path: str) -> bytes:
     (b'"metadata":null', b'"metadata":[' + PAD + b"]"),
 ], ids=["empty-object", "empty-array", "empty-metadata-list"])
 def test_valid_json_padded_past_one_piece_parses_as_a_whole_parse_does(small, edit):
-    from shardfmt.manifest import parse_manifest
+    from shardfmt.format.manifest import parse_manifest
 
     raw = _raw_manifest(small)
     assert edit[0] in raw
@@ -436,7 +442,7 @@ def test_valid_json_padded_past_one_piece_parses_as_a_whole_parse_does(small, ed
     ((b'"storages":{}', b'"storages":{[' + b"[]," * 400_000 + b'[]]:0}'), "not a string|not valid JSON"),
 ], ids=["wrong-closer", "empty-member", "duplicate-top-level", "duplicate-in-record", "container-as-key"])
 def test_invalid_json_past_one_piece_is_refused_as_a_whole_parse_refuses_it(small, edit, match):
-    from shardfmt.manifest import parse_manifest
+    from shardfmt.format.manifest import parse_manifest
 
     raw = _raw_manifest(small)
     assert edit[0] in raw
@@ -449,7 +455,7 @@ def test_invalid_json_past_one_piece_is_refused_as_a_whole_parse_refuses_it(smal
 
 
 def test_a_large_malformed_header_is_a_header_error(tmp_path):
-    from shardfmt.safetensors_io import decode_header
+    from shardfmt.format.safetensors import decode_header
 
     js = b'{"x":tru' + PAD + b"}"
     raw = len(js).to_bytes(8, "little") + js
@@ -496,8 +502,8 @@ def test_views_of_one_storage_share_one_buffer(tmp_path):
 def test_the_tiling_locator_stops_within_its_budget():
     """A staircase of 1,398 boxes embedded in 64 dims with one cell missing: the answer (no)
     comes at once; naming the gap stops at the locator's budget (before: 27 s)."""
-    from reshard.geometry import Box
-    from reshard.tiling import tiling_problems
+    from shardfmt.layout.geometry import Box
+    from shardfmt.layout.tiling import tiling_problems
 
     n, pre_o, pre_l = 700, (0,) * 62, (1,) * 62
     boxes = []

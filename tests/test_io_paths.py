@@ -3,8 +3,8 @@
 import torch
 
 import shardfmt
-from shardfmt.storage import LocalStorage
-from shardfmt.writer import ShardData, write_shard_file
+from shardfmt.io.storage import LocalStorage
+from shardfmt.saving.writer import ShardData, write_shard_file
 
 
 def _shards():
@@ -69,9 +69,9 @@ def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
     """The executor asks the storage to fetch upcoming reads (POSIX_FADV_WILLNEED locally):
     each read is hinted once, before it starts, never more than the window ahead of it,
     and nearby reads of one file are hinted as one range."""
-    from reshard.executor import _ReadAhead
-    from reshard.geometry import ByteRange
-    from reshard.planner import PhysicalRead
+    from shardfmt.layout.geometry import ByteRange
+    from shardfmt.loading.executor import _ReadAhead
+    from shardfmt.loading.planner import PhysicalRead
 
     MiB = 1 << 20
     reads = [PhysicalRead(file="a" if i < 6 else "b", byte_range=ByteRange(i * 8 * MiB, (i + 1) * 8 * MiB), items=())
@@ -86,7 +86,7 @@ def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
             hinted.append((self.name, offset, offset + length))
 
     class Readers:
-        from reshard.executor import _Readers
+        from shardfmt.loading.executor import _Readers
         prefetch = _Readers.prefetch
 
         def get(self, name):

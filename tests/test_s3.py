@@ -193,7 +193,7 @@ def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
 def _torn_save_script(root: str) -> str:
     return textwrap.dedent(f"""
         import os, signal, torch, shardfmt
-        import shardfmt.objstore as O
+        import shardfmt.io.fsspec as O
         ck = shardfmt.Checkpointer("{root}", storage_options={{"part_size": 5 << 20}})
         ck.save(1, {{"m": torch.nn.Linear(4, 4)}})
         orig = O._MultipartWriter._upload
@@ -238,7 +238,7 @@ def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server,
     fs = _fs(server)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from shardfmt.objstore import lease_identity
+    from shardfmt.io.fsspec import lease_identity
 
     me = lease_identity()
     for name, holder in (("live", dict(me, host="another-node", pid=1)),
@@ -331,12 +331,12 @@ def test_a_5xx_in_the_middle_of_a_save_commits_nothing_and_leaves_no_upload(serv
 
 def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
     """The COMMITTED object is written only if absent: the second save to commit is refused."""
-    import shardfmt.commit as C
+    import shardfmt.commit.protocol as C
 
     url = f"{bucket}/race/step_1"
     shardfmt.save({"x": torch.ones(4)}, url)
-    storage, path = shardfmt.storage.get_storage(url)
-    from shardfmt.manifest import CommitRecord
+    storage, path = shardfmt.io.registry.get_storage(url)
+    from shardfmt.format.manifest import CommitRecord
 
     with pytest.raises(CheckpointExistsError):
         storage.write_bytes(storage.join(path, "COMMITTED"),
@@ -421,9 +421,9 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     a third save cannot start beside the live one."""
     import time
 
-    from shardfmt.objstore import lease_owner
-    from shardfmt.storage import get_storage
-    from shardfmt.writer import CheckpointWriter, ShardData
+    from shardfmt.io.fsspec import lease_owner
+    from shardfmt.io.registry import get_storage
+    from shardfmt.saving.writer import CheckpointWriter, ShardData
 
     st, path = get_storage(f"{bucket}/stale/step_000000001", {"lease_seconds": 2})
     a = CheckpointWriter(path, storage=st)  # stalls past its 2 s lease from here on
@@ -499,7 +499,7 @@ def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket,
 _CONVERT_RSS = r"""
 import json, sys, threading, time
 import reshard.convert, shardfmt
-from shardfmt.storage import get_storage
+from shardfmt.io.registry import get_storage
 
 def rss():
     with open("/proc/self/status") as f:
@@ -569,7 +569,7 @@ def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
 
 @pytest.mark.slow
 def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, capsys):
-    """Spec 2.1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
+    """spec/ROOTS.md section 1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
     first run (logged), a missing bucket an error (a warning with allow_fresh_start), a store that
     does not answer a storage error; a checkpoint given as the root is an error naming its parent,
     and a root given to load is named for what it is."""
@@ -619,7 +619,7 @@ def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(se
 
 @pytest.mark.slow
 def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):
-    import shardfmt.objstore as O
+    import shardfmt.io.fsspec as O
 
     root = f"{bucket}/flaky-restore"
     ck = shardfmt.Checkpointer(root)
@@ -640,7 +640,7 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
 def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     ck = shardfmt.Checkpointer(f"{bucket}/lease", lease_seconds=8)
     assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
-    storage, _ = shardfmt.storage.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
+    storage, _ = shardfmt.io.registry.get_storage(f"{bucket}/lease/step_000000001", ck.storage_options)
     assert storage.lease_seconds == 8  # what save() builds from the same options: heartbeat every 2 s
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardfmt.errors import StateDictError
-from shardfmt.sampler import ResumableSampler
+from shardfmt.training.sampler import ResumableSampler
 
 
 def _consume(samplers, steps, batch):

@@ -5,16 +5,16 @@ import warnings
 import pytest
 import torch
 
-from shardfmt import jsonvalue
-from shardfmt.distributed import (
+from shardfmt.errors import StateDictError
+from shardfmt.format import jsonvalue
+from shardfmt.format.manifest import MAX_STEP
+from shardfmt.saving.distributed import (
     AGREE_BUCKETS,
     Agreement,
     agreement_vector,
     check_agreement,
     value_bucket,
 )
-from shardfmt.errors import StateDictError
-from shardfmt.manifest import MAX_STEP
 
 
 def _ranks(*states, step=1, url="/ck"):

@@ -27,10 +27,10 @@ from deadline import deadline
 
 import shardfmt
 from reshard.cli import main as reshard_main
-from shardfmt.archive import copy_checkpoint
 from shardfmt.cli import main as shardfmt_main
-from shardfmt.roots import collect_garbage, list_checkpoints
-from shardfmt.storage import LocalStorage
+from shardfmt.io.storage import LocalStorage
+from shardfmt.training.archive import copy_checkpoint
+from shardfmt.training.roots import collect_garbage, list_checkpoints
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -472,7 +472,7 @@ def test_gc_removes_a_dead_staging_dir_but_keeps_one_holding_a_fifo_or_a_link(tm
 def test_gc_on_fsspecs_local_filesystem_keeps_a_leftover_holding_a_fifo(tmp_path):
     """``local://`` goes through fsspec (no staging dirs): an uncommitted prefix is a dead save's
     leftover only if it holds what a save writes, which is never a FIFO."""
-    from shardfmt.storage import get_storage
+    from shardfmt.io.registry import get_storage
 
     root = str(tmp_path / "root")
     dead = _staging(root, "step_000000001", {"LEASE": b"{}", "data/rank_00000.0123456789abcdef.safetensors": b"x"})

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.topology import Layout, Mesh, Shard, default_stage, held_boxes
+from shardfmt.layout.topology import Layout, Mesh, Shard, default_stage, held_boxes
 
 VOCAB, HIDDEN, FFN, LAYERS = 96, 32, 64, 4
 

@@ -129,7 +129,7 @@ def test_rank_killed_or_frozen_mid_save(fault_root, mode):
     assert results[1].result is None  # the dead/frozen rank never reported
     assert r0.result["seconds"] < 8 + 15, f"survivor took {r0.result['seconds']:.0f}s to give up (timeout 8s)"
     assert not os.path.exists(os.path.join(path, "COMMITTED"))
-    from shardfmt.roots import list_checkpoints
+    from shardfmt.training.roots import list_checkpoints
 
     rows = {r["name"]: r["status"] for r in list_checkpoints(str(fault_root))}
     assert rows["good"] == "committed"

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import shardfmt
-from reshard.topology import Mesh
+from shardfmt.layout.topology import Mesh
 from tests.distributed.model import check_state, rank_state, specs, truth
 
 JOBS = {}
@@ -350,8 +350,8 @@ def ckpt_torn(rank, world, args):
     """Drill c: step 1 saved; during step 2's save every rank dies after writing its file."""
     import signal
 
-    import shardfmt.distributed as D
-    import shardfmt.writer as W
+    import shardfmt.saving.distributed as D
+    import shardfmt.saving.writer as W
 
     ck = shardfmt.Checkpointer(args["root"])
     ck.save(1, {"rows": RowShard(rank, world, 1)})
@@ -438,7 +438,7 @@ def async_save2(rank, world, args):
 def async_snapshot_fails_on_one_rank(rank, world, args):
     """Rank 1's snapshot copy fails; its only piece is replicated and written by rank 0. Every
     rank's save must still fail, fast, naming rank 1, and nothing is committed."""
-    from shardfmt.async_save import StagedCopy
+    from shardfmt.saving.async_save import StagedCopy
 
     if rank == 1:
         orig = StagedCopy.run

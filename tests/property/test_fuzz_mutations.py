@@ -55,15 +55,9 @@ from hypothesis.control import currently_in_test_context
 from reseal import recommit, reseal
 
 import shardfmt
-from reshard.geometry import Box, intersect, row_major_strides
-from shardfmt import (
-    CheckpointWriter,
-    IntegrityError,
-    ShardData,
-    ShardedTensor,
-    ShardfmtError,
-)
-from shardfmt.manifest import MANIFEST_NAME, parse_manifest
+from shardfmt import CheckpointWriter, IntegrityError, ShardData, ShardedTensor, ShardfmtError
+from shardfmt.format.manifest import MANIFEST_NAME, parse_manifest
+from shardfmt.layout.geometry import Box, intersect, row_major_strides
 
 CHUNK_SIZE = 4096
 FILES = ("data/rank_00000.safetensors", "data/rank_00001.safetensors")
@@ -277,10 +271,10 @@ class _PeakRss:
 # ----------------------------------------------------------------------------- layers reached and re-sealing
 
 LAYERS = {  # what a mutant got past the digests to reach: (module, function) instrumented
-    "field parser": [("shardfmt.manifest", "_manifest_fields")],
-    "header parser": [("shardfmt.reader", "decode_header"), ("shardfmt.validation", "decode_header")],
-    "tiling check": [("reshard.planner", "tiling_problems"), ("shardfmt.validation", "tiling_problems")],
-    "typed-JSON decoding": [("shardfmt.jsonvalue", "decode")],
+    "field parser": [("shardfmt.format.manifest", "_manifest_fields")],
+    "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation", "decode_header")],
+    "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation", "tiling_problems")],
+    "typed-JSON decoding": [("shardfmt.format.jsonvalue", "decode")],
 }
 _REACHED: set[str] | None = None  # the layers the current mutant's load reached, while one loads
 

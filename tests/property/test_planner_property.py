@@ -21,16 +21,16 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from reshard.geometry import Box, intersect
-from reshard.planner import (
+from shardfmt.format.dtypes import itemsize
+from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
+from shardfmt.layout.geometry import Box, intersect
+from shardfmt.loading.planner import (
     DEFAULT_MAX_BOUNCE_READ,
     DEFAULT_MAX_GAP,
     DEFAULT_MAX_READ,
     TargetSlice,
     plan_load,
 )
-from shardfmt.dtypes import itemsize
-from shardfmt.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
 
 FAKE_DIGEST = "xxh3-128:" + "0" * 32
 DTYPE_CODES = ("F32", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "F64")
@@ -276,7 +276,7 @@ def test_plan_copies_every_target_element_once_from_its_source(case):
 @settings(max_examples=examples(300), deadline=None)
 @given(data=st.data())
 def test_split_block_puts_every_element_on_its_side_of_the_cut_once(data):
-    from reshard.geometry import block_end, row_major_strides, split_block
+    from shardfmt.layout.geometry import block_end, row_major_strides, split_block
 
     shape = data.draw(st.lists(st.integers(1, 6), min_size=0, max_size=4).map(tuple))
     sub = data.draw(sub_box(shape))

@@ -1,6 +1,6 @@
 """Property: the tiling check agrees with counting every element, and its cost is linear.
 
-``reshard.tiling.tiling_problems`` decides with a randomised fingerprint and names problems with
+``shardfmt.layout.tiling.tiling_problems`` decides with a randomised fingerprint and names problems with
 a bounded locator; the reference here covers small regions element by element.
 """
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiers import examples
 
-from reshard.geometry import Box
-from reshard.tiling import tiling_problems
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.tiling import tiling_problems
 
 
 def _counts(boxes: list[Box], region: Box) -> dict[tuple[int, ...], int]:

@@ -1,0 +1,214 @@
+"""State dicts <-> flat FQN leaves: what save writes and what load fills.
+
+Nested dicts (str or int keys) and lists/tuples holding tensors flatten to dotted FQNs
+(``model.layers.0.weight``). A subtree with no tensor in it is one leaf: a non-tensor
+value stored as typed JSON. Keys may themselves hold dots (``model.state_dict()`` keys
+do), so ``{"a.b": x}`` and ``{"a": {"b": y}}`` name the same FQN: two paths that flatten
+to the same FQN raise ``StateDictError``, as do empty keys and keys with an empty dotted
+part (``"a..b"``, ``".a"``). Load walks the caller's own structure, so no information is
+lost by flattening.
+
+``ShardedTensor(local, global_shape, offsets)`` declares that a tensor is one slice of a
+larger global tensor; ``PerRank(value)`` marks a value that differs per rank.
+
+``IfSaved(subtree)`` (a dict's value) marks state that exists only to be loaded into, not
+real state: what ``shardfmt.get_state_dict`` makes for a fresh optimizer's parameters.
+``save`` never writes an IfSaved subtree (a never-stepped optimizer saves no per-parameter
+state). ``load`` fills each of its leaves that the checkpoint holds, removes the others (and
+then the dicts left empty; a list or tuple stays only whole, its saved entries then count as
+unexpected) without ever calling them missing, and puts the plain subtree in the marker's
+place, or removes the key when nothing is left: a parameter that had no state at save gets
+none. A leaf the checkpoint holds in another shape (entries under its name, one entry above
+it) is never missing either: ``load`` raises ``StateDictError``, with or without ``strict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardfmt.errors import ShapeError, StateDictError
+
+MAX_FQN = 4096  # the manifest's limit on a name
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedTensor:
+    """``local`` is the slice ``[offsets, offsets + local.shape)`` of a global tensor.
+
+    ``layout`` (a ``shardfmt.layout.topology.Layout``), when given, is recorded in the manifest as
+    the tensor's symbolic placement, so tools can re-derive every rank's slice.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    layout: Any = None
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int],
+                 *, layout: Any = None) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise StateDictError(f"ShardedTensor needs a torch.Tensor, got {type(local).__name__}")
+        gs = tuple(int(x) for x in global_shape)
+        offs = tuple(int(x) for x in offsets)
+        if len(gs) != local.dim() or len(offs) != local.dim():
+            raise ShapeError(f"ShardedTensor: local rank {local.dim()}, global_shape {list(gs)}, offsets {list(offs)}")
+        for d, (o, n, g) in enumerate(zip(offs, local.shape, gs)):
+            if o < 0 or o + n > g:
+                raise ShapeError(f"ShardedTensor: dim {d}: [{o}, {o + n}) outside global size {g}")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "global_shape", gs)
+        object.__setattr__(self, "offsets", offs)
+        object.__setattr__(self, "layout", layout)
+
+
+@dataclass(frozen=True, slots=True)
+class PerRank:
+    """A value that differs per rank (RNG state, per-rank counters): stored per rank."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class IfSaved:
+    """State to load into only if the checkpoint holds it; never saved (see the module docstring)."""
+
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One flattened leaf and where it lives in the caller's structure.
+
+    ``within`` is the leaf of the ``IfSaved`` marker this leaf lies in (None: real state).
+    """
+
+    fqn: str
+    value: Any
+    container: Any
+    key: Any
+    within: Leaf | None = None
+
+
+def _is_tensor_like(v: Any) -> bool:
+    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v)
+
+
+def _is_dtensor(v: Any) -> bool:
+    cls = type(v)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
+
+
+def _holds_tensor(v: Any, depth: int = 0) -> bool:
+    if depth > 200:
+        raise StateDictError("state dict is nested more than 200 levels deep")
+    if _is_tensor_like(v):
+        return True
+    if isinstance(v, (PerRank, IfSaved)):
+        return True  # a leaf or subtree of its own: the containers above it are walked
+    if isinstance(v, dict):
+        return any(_holds_tensor(x, depth + 1) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_tensor(x, depth + 1) for x in v)
+    return False
+
+
+def _segment(key: Any, prefix: str) -> str:
+    if isinstance(key, bool) or not isinstance(key, (str, int)):
+        raise StateDictError(f"{prefix or '<root>'}: key {key!r} of type {type(key).__name__} cannot name a "
+                             "tensor (keys on the path to a tensor must be str or int)")
+    seg = str(key)
+    if not seg:
+        raise StateDictError(f"{prefix or '<root>'}: empty key on the path to a tensor")
+    if seg.startswith(".") or seg.endswith(".") or ".." in seg:
+        raise StateDictError(f"{prefix or '<root>'}: key {seg!r} has an empty dotted part")
+    return seg
+
+
+def flatten(state_dict: Any) -> list[Leaf]:
+    """Return the leaves of ``state_dict`` in a deterministic (sorted by FQN) order."""
+    if not isinstance(state_dict, dict):
+        raise StateDictError(f"state dict must be a dict, got {type(state_dict).__name__}")
+    leaves: dict[str, Leaf] = {}
+
+    def visit(container: Any, key: Any, value: Any, fqn: str, within: Leaf | None) -> None:
+        if isinstance(value, IfSaved):
+            if within is not None or not isinstance(container, dict):
+                raise StateDictError(f"{fqn}: IfSaved must be a dict's value, outside any other IfSaved")
+            within = Leaf(fqn, value, container, key)
+            container, key, value = value, "value", value.value
+        if isinstance(value, (dict, list, tuple)) and _holds_tensor(value):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                seg = _segment(k, fqn)
+                visit(value, k, v, f"{fqn}.{seg}" if fqn else seg, within)
+            return
+        if fqn in leaves:
+            raise StateDictError(f"{fqn}: two entries flatten to the same name")
+        leaves[fqn] = Leaf(fqn, value, container, key, within)
+
+    for k, v in state_dict.items():
+        visit(state_dict, k, v, _segment(k, ""), None)
+    for fqn in leaves:
+        if len(fqn) > MAX_FQN:
+            raise StateDictError(f"{fqn[:80]}...: name of {len(fqn)} characters exceeds {MAX_FQN}")
+    return [leaves[k] for k in sorted(leaves)]
+
+
+def check_settable(leaf: Leaf) -> None:
+    """Raise unless ``set_leaf`` can replace this leaf (asked before a load reads anything)."""
+    if not hasattr(type(leaf.container), "__setitem__"):
+        raise StateDictError(f"{leaf.fqn}: cannot replace a value inside an immutable "
+                             f"{type(leaf.container).__name__}; hold it in a list or dict")
+
+
+def set_leaf(leaf: Leaf, value: Any) -> None:
+    """Replace a non-tensor leaf in the caller's structure."""
+    check_settable(leaf)
+    leaf.container[leaf.key] = value
+
+
+_GONE = object()
+
+
+def settle_if_saved(leaves: list[Leaf], kept: dict[str, Any]) -> set[str]:
+    """Put each ``IfSaved`` marker's subtree, holding only the leaves in ``kept`` (fqn -> the
+    loaded value), in the marker's place in the caller's structure; drop the marker's key when
+    nothing is left. Return the kept leaves that were dropped all the same (in a list or tuple
+    that is not whole)."""
+    markers: dict[str, tuple[Leaf, set[str]]] = {}
+    for leaf in leaves:
+        if leaf.within is not None:
+            markers.setdefault(leaf.within.fqn, (leaf.within, set()))[1].add(leaf.fqn)
+    placed: set[str] = set()
+    for fqn, (marker, names) in markers.items():
+        plain = _kept_subtree(marker.value.value, fqn, names, kept, placed)
+        if plain is _GONE:
+            del marker.container[marker.key]
+        else:
+            marker.container[marker.key] = plain
+    return set(kept) - placed
+
+
+def _kept_subtree(value: Any, fqn: str, leaf_names: set[str], kept: dict[str, Any], placed: set[str]) -> Any:
+    """``value`` (the subtree at ``fqn``, walked as ``flatten`` walks it) with only its kept leaves
+    (their names added to ``placed``): dicts keep what is left, lists and tuples stay only whole;
+    ``_GONE`` if nothing is left."""
+    if fqn in leaf_names:
+        if fqn not in kept:
+            return _GONE
+        placed.add(fqn)
+        return kept[fqn]
+    if isinstance(value, dict):
+        out = {k: sub for k, v in value.items()
+               if (sub := _kept_subtree(v, f"{fqn}.{k}", leaf_names, kept, placed)) is not _GONE}
+        return out or _GONE
+    mark = set()
+    items = [_kept_subtree(v, f"{fqn}.{i}", leaf_names, kept, mark) for i, v in enumerate(value)]
+    if any(x is _GONE for x in items):
+        return _GONE
+    placed |= mark
+    return value._make(items) if hasattr(value, "_make") else type(value)(items)  # namedtuples too

@@ -1,0 +1,370 @@
+"""Run a LoadPlan against storage: the only I/O in reshard/.
+
+Each physical read either lands straight in the targets' memory (every copy it feeds is
+a contiguous run of source bytes going to a contiguous CPU region of a same-dtype target:
+one ``preadv`` scatters file bytes into tensor memory, gaps into small scratch buffers)
+or goes through one bounded buffer (``<= max_read`` plus chunk rounding) and is copied
+with ``as_strided`` views — for strided, cast or non-CPU targets. With ``verify`` every
+chunk a read touches is hashed and compared with the manifest before the read's buffer
+is copied anywhere. Reads run on a small thread pool; files are opened once. As each read
+starts, the storage is asked to fetch the next ``PREFETCH_WINDOW`` bytes of reads ahead
+(``FileReader.prefetch``: ``POSIX_FADV_WILLNEED`` on local disk, nothing on object stores).
+"""
+
+from __future__ import annotations
+
+import bisect
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shardfmt.errors import IntegrityError, ShardfmtError
+from shardfmt.format.hashing import ChunkHasher
+from shardfmt.format.manifest import FileRecord
+from shardfmt.format.tensor_bytes import byte_view, is_direct
+from shardfmt.io import aligned
+from shardfmt.io.aligned import DIRECT_ALIGN, address
+from shardfmt.io.storage import FileReader, Storage
+from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
+
+DEFAULT_WORKERS = 4
+READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
+IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
+PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
+DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``Executor(sole=...)``)
+
+
+class _Readers:
+    """Open each file once, check its size against the manifest, share the handle.
+
+    Names resolve under ``root`` through no symbolic link unless ``follow_links`` (spec
+    section 2; ``Executor``)."""
+
+    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
+                 follow_links: bool = False) -> None:
+        self._storage = storage
+        self._root = root
+        self._files = files
+        self._within = None if follow_links else root
+        self._open: dict[str, FileReader] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> FileReader:
+        with self._lock:
+            r = self._open.get(name)
+            if r is None:
+                want = self._files[name].size
+                # Object stores: trust the manifest's size (a HEAD per file saved); a short
+                # file then fails its ranged read, a changed one its chunk hashes.
+                r = self._storage.open_reader(self._storage.join(self._root, name),
+                                              size=want if self._storage.object_store else None,
+                                              within=self._within)
+                if r.size != want:
+                    r.close()
+                    raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")
+                self._open[name] = r
+            return r
+
+    def prefetch(self, reads: Sequence[PhysicalRead], *, gap: int = 1 << 20) -> None:
+        """Hint the reads to the storage, nearby ones in a file as one range. Advisory: a file
+        that cannot be opened is left for its read to report, named."""
+        ranges: list[list] = []  # [file, start, end]
+        for r in reads:
+            s, e = r.byte_range.start, r.byte_range.end
+            if ranges and r.file == ranges[-1][0] and ranges[-1][2] <= s <= ranges[-1][2] + gap:
+                ranges[-1][2] = max(ranges[-1][2], e)
+            else:
+                ranges.append([r.file, s, e])
+        for name, s, e in ranges:
+            try:
+                hint = getattr(self.get(name), "prefetch", None)
+            except (ShardfmtError, OSError):
+                continue
+            if hint is not None:
+                hint(s, e - s)
+
+    def close(self) -> None:
+        for r in self._open.values():
+            try:
+                r.close()
+            except OSError:
+                pass
+        self._open.clear()
+
+
+def _pieces(segments: Sequence[memoryview]):
+    """The segments cut into pieces of at most READ_PIECE bytes, in order."""
+    for seg in segments:
+        for off in range(0, len(seg), READ_PIECE):
+            yield seg[off : off + READ_PIECE]
+
+
+class _ReadAhead:
+    """Keep the storage fetching up to ``window`` bytes of the reads after the one starting.
+
+    On local disk this is ``POSIX_FADV_WILLNEED``: the kernel queues those reads at once, so
+    the disk works at full depth while the workers copy and hash, and ranks that read the
+    same bytes (a row -> column reshard) find them in the page cache. A bounded window, not
+    the whole plan: read-ahead beyond what memory holds would be evicted before it is used.
+    """
+
+    def __init__(self, reads: Sequence[PhysicalRead], readers: _Readers, window: int) -> None:
+        self._reads = reads  # the reads to hint (None: a read that goes around the page cache)
+        self._readers = readers
+        self._window = window
+        self._cum = [0]  # bytes of reads[:i]
+        for r in reads:
+            self._cum.append(self._cum[-1] + (r.byte_range.length if r is not None else 0))
+        self._next = 0  # reads before this one have been asked for
+        self._lock = threading.Lock()
+
+    def starting(self, k: int) -> None:
+        """Read ``k`` starts: ask for every read up to ``window`` bytes from it not yet asked for."""
+        n = len(self._reads)
+        j = min(n, bisect.bisect_left(self._cum, self._cum[k] + self._window, lo=k + 1))
+        with self._lock:
+            lo = max(k, self._next)
+            if j <= lo:
+                return
+            self._next = j
+        self._readers.prefetch([r for r in self._reads[lo:j] if r is not None])
+
+
+def _dst_view(dst: torch.Tensor, item: CopyItem) -> torch.Tensor:
+    return dst[tuple(slice(o, o + n) for o, n in zip(item.dst_offsets, item.src_lengths))]
+
+
+def _src_view(buf: torch.Tensor, offset: int, item: CopyItem, dtype: torch.dtype) -> torch.Tensor:
+    isz = dtype.itemsize
+    nbytes = item.src_end - item.src_start
+    raw = buf[offset : offset + nbytes]
+    if offset % isz:
+        raw = raw.clone()  # misaligned for this dtype (a file from another writer): realign
+    typed = raw.view(dtype) if nbytes else torch.empty(0, dtype=dtype)
+    return typed.as_strided(item.src_lengths, item.src_strides) if item.numel else typed[:0].reshape(item.src_lengths)
+
+
+def _is_run(item: CopyItem, isz: int) -> bool:
+    return item.src_end - item.src_start == item.numel * isz
+
+
+class Executor:
+    """Fill ``targets[i]`` (shaped like target ``i``'s box) from the plan's reads.
+
+    ``bounce_buffers`` (uint8, one per worker) serve as the workers' bounce buffers instead
+    of buffers allocated per run, so a caller running many plans (offline conversion under a
+    memory budget) keeps one fixed set; each must hold the plan's largest bounced read.
+    ``bounce`` names targets that are never read into directly even when they could be
+    (targets sharing memory: bytes landing there could change before they are hashed).
+    ``sole`` names targets whose bytes no other process on the machine reads (a DTensor
+    sharded on every mesh dim, or any target of a single process): large reads that land
+    straight in them go around the page cache where the storage can (``O_DIRECT``), which
+    saves the kernel's copy and its page allocations; bytes that other ranks may read too
+    stay in the page cache, where they are read from the device once.
+    ``follow_links``: the files under ``root`` may be reached through symbolic links (a
+    Hugging Face folder, never a shardfmt checkpoint: spec section 2).
+    """
+
+    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
+                 chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
+                 workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = (),
+                 bounce: frozenset[int] = frozenset(), sole: frozenset[int] = frozenset(),
+                 follow_links: bool = False) -> None:
+        self.follow_links = follow_links
+        self.bounce = bounce
+        self.sole = sole
+        self.storage = storage
+        self.root = root
+        self.files = files
+        self.chunk_size = chunk_size
+        self.src_dtypes = src_dtypes
+        self.targets = targets
+        self.workers = workers
+        self._given = tuple(bounce_buffers)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._local = threading.local()
+
+    def run(self, plan: LoadPlan) -> None:
+        self._local = threading.local()
+        self._free = queue.SimpleQueue()
+        for b in self._given:
+            self._free.put(b)
+        readers = _Readers(self.storage, self.root, self.files, follow_links=self.follow_links)
+        try:
+            around = [self._around_cache(r) and readers.get(r.file).direct for r in plan.reads]
+            ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)
+            # direct reads mostly wait on the device: more of them keep its queue full
+            concurrency = self.storage.read_concurrency
+            if any(around):
+                concurrency = max(concurrency, aligned.MIN_THREADS)
+            workers = min(self.workers, len(plan.reads), concurrency)
+            if workers <= 1:
+                for k, r in enumerate(plan.reads):
+                    ahead.starting(k)
+                    self._one(r, readers, plan.verify, around=around[k])
+            else:
+                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
+                    futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=around[k])
+                               for k, r in enumerate(plan.reads)]
+                    errors = []
+                    for f in futures:
+                        try:
+                            f.result()
+                        except BaseException as e:  # noqa: BLE001 - re-raised below
+                            errors.append(e)
+                    if errors:
+                        raise errors[0]
+        finally:
+            readers.close()
+
+    # -- one physical read
+    def _direct_ok(self, read: PhysicalRead) -> bool:
+        pos = read.byte_range.start
+        for it in read.items:
+            dst = self.targets[it.target]
+            dtype = self.src_dtypes[it.target]
+            if it.target in self.bounce or dst.dtype != dtype or it.src_start < pos or not _is_run(it, dtype.itemsize):
+                return False
+            if not is_direct(_dst_view(dst, it)):
+                return False
+            pos = it.src_end
+        return True
+
+    def _around_cache(self, read: PhysicalRead) -> bool:
+        """Whether ``read`` may go around the page cache: large, on local storage, landing
+        straight in targets only this process reads, with few bytes of gap between them."""
+        if self.storage.object_store or read.byte_range.length < DIRECT_MIN_READ:
+            return False
+        if any(it.target not in self.sole for it in read.items):
+            return False
+        used = sum(it.src_end - it.src_start for it in read.items)
+        return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
+
+    def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
+             ahead: _ReadAhead | None = None, k: int = 0, *, around: bool = False) -> None:
+        """Do one physical read; ``around``: it goes around the page cache (``_around_cache``)."""
+        if ahead is not None:
+            ahead.starting(k)
+        reader = readers.get(read.file)
+        start, end = read.byte_range.start, read.byte_range.end
+        if self._direct_ok(read):
+            segments: list[memoryview] = []
+            pos = start
+            for it in read.items:
+                if it.src_start > pos:
+                    segments.append(memoryview(bytearray(it.src_start - pos)))
+                if it.src_end > it.src_start:
+                    segments.append(byte_view(_dst_view(self.targets[it.target], it)))
+                pos = it.src_end
+            if end > pos:
+                segments.append(memoryview(bytearray(end - pos)))
+            self._read(reader, read, segments, verify, around=around)
+            return
+        buf = self._bounce(end - start)
+        self._read(reader, read, [byte_view(buf)], verify)
+        for it in read.items:
+            src = _src_view(buf, it.src_start - start, it, self.src_dtypes[it.target])
+            _dst_view(self.targets[it.target], it).copy_(src)
+
+    def _bounce(self, n: int) -> torch.Tensor:
+        """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for
+        every read (allocating per read lets the C allocator keep the freed blocks: RSS creeps)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None and self._given:
+            try:
+                buf = self._local.buf = self._free.get_nowait()
+            except queue.Empty:
+                pass
+        if buf is None or buf.numel() < n:
+            if self._given:
+                raise ShardfmtError(f"internal: a read of {n} bytes does not fit the "
+                                    f"{self._given[0].numel()}-byte bounce buffers it was given")
+            buf = self._local.buf = torch.empty(n, dtype=torch.uint8)
+        return buf[:n]
+
+    def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool, *,
+              around: bool = False) -> None:
+        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands
+        (``around``: through ``_read_direct``)."""
+        hasher = ChunkHasher(self.chunk_size) if verify else None
+        pos = read.byte_range.start
+        try:
+            if around:
+                _read_direct(reader, read, segments, hasher)
+                segments = []
+            if self.storage.object_store:  # a request is a round trip: one GET for the whole read
+                reader.readinto(pos, segments)
+                if hasher is not None:
+                    for seg in segments:
+                        for off in range(0, len(seg), READ_PIECE):
+                            hasher.update(seg[off : off + READ_PIECE])
+                segments = []
+            batch: list[memoryview] = []  # pieces read by one call: up to READ_PIECE bytes, IOV_BATCH buffers
+            size = 0
+            for piece in _pieces(segments):
+                if batch and (size + len(piece) > READ_PIECE or len(batch) == IOV_BATCH):
+                    pos = self._read_batch(reader, pos, batch, size, hasher)
+                    batch, size = [], 0
+                batch.append(piece)
+                size += len(piece)
+            if batch:
+                self._read_batch(reader, pos, batch, size, hasher)
+        except ShardfmtError as e:  # same kind (truncation stays an IntegrityError), with the read named
+            raise type(e)(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
+                               f"failed: {e}") from None
+        if hasher is not None:
+            self._verify(read, hasher.finish())
+
+    @staticmethod
+    def _read_batch(reader: FileReader, pos: int, batch: list[memoryview], size: int,
+                    hasher: ChunkHasher | None) -> int:
+        """One scatter read of consecutive pieces, then hash them in order; return the next offset."""
+        reader.readinto(pos, batch)
+        if hasher is not None:
+            for piece in batch:
+                hasher.update(piece)
+        return pos + size
+
+    def _verify(self, read: PhysicalRead, got: list[str]) -> None:
+        c = self.chunk_size
+        start, end = read.byte_range.start, read.byte_range.end
+        if start % c:
+            raise IntegrityError(f"{read.file}: read at byte {start} is not chunk-aligned; cannot verify")
+        first = start // c
+        want = self.files[read.file].chunks
+        for i, digest in enumerate(got):
+            k = first + i
+            if k >= len(want) or digest != want[k]:
+                lo = k * c
+                raise IntegrityError(
+                    f"{read.file}: chunk {k} (bytes [{lo}, {min(lo + c, end)})) hashes to {digest}, "
+                    f"manifest says {want[k] if k < len(want) else 'nothing'}"
+                )
+
+
+def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],
+                 hasher: ChunkHasher | None) -> None:
+    """Read ``read`` around the page cache (``FileReader.read_block``): aligned blocks land in a
+    reused bounce buffer, are hashed there, then copied into the segments in order."""
+    start, end = read.byte_range.start, read.byte_range.end
+    lo = start - start % DIRECT_ALIGN
+    size = aligned.bounce_size(64 * (end - lo), cap=aligned.MAX_BLOCK)  # the read's size at most
+    seg, filled = 0, 0  # the segment being filled, and its bytes already filled
+    with aligned.POOL.buffer(size) as bounce:
+        for block in range(lo, end, size):
+            n = min(block + size, end) - block
+            reader.read_block(block, bounce.mv[:size], n)
+            p = max(start - block, 0)
+            if hasher is not None:
+                hasher.update(bounce.mv[p:n])
+            while p < n:
+                dst = segments[seg]
+                k = min(n - p, len(dst) - filled)
+                aligned.copy(address(dst, filled), bounce.address + p, k)
+                p += k
+                filled += k
+                if filled == len(dst):
+                    seg, filled = seg + 1, 0

@@ -1,0 +1,762 @@
+"""Writing checkpoints: a streaming shard-file writer and the low-level CheckpointWriter.
+
+``write_shard_file`` streams tensors into one safetensors file: the header is computed
+up front from shapes and dtypes, then each tensor's memory is hashed and written piece by
+piece (no file image in memory, no second pass). ``CheckpointWriter`` lets one process
+write the files of any number of ranks, then ``commit`` builds the manifest and runs the
+commit protocol; ``shardfmt.save`` and the offline tools are built on it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as _dt
+import math
+import os
+import platform
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardfmt._version import __version__
+from shardfmt.commit import protocol as _commit
+from shardfmt.errors import CommitError, ShapeError, ShardfmtError, StateDictError
+from shardfmt.format import hashing, jsonvalue
+from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.manifest import (
+    FileRecord,
+    Manifest,
+    Placement,
+    ShardRecord,
+    TensorRecord,
+    Topology,
+    ValueRecord,
+    ViewRecord,
+    check_step,
+    rank_file_name,
+)
+from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_header, encode_origins
+from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
+from shardfmt.io import aligned
+from shardfmt.io.aligned import DIRECT_ALIGN, address
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.tiling import tiling_problems
+
+Clock = Callable[[], _dt.datetime]
+_OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
+DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a time (a multiple of chunks)
+
+
+def default_writer_versions() -> dict[str, str]:
+    return {"shardfmt": __version__, "torch": torch.__version__.split("+")[0],
+            "python": platform.python_version()}
+
+
+def format_time(t: _dt.datetime) -> str:
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return t.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _check_slice(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: tuple[int, ...]) -> None:
+    if len(shape) != len(global_shape) or len(offsets) != len(shape):
+        raise ShapeError(f"{fqn}: local shape {list(shape)}, offsets {list(offsets)} and "
+                         f"global shape {list(global_shape)} differ in rank")
+    for d, (o, n, g) in enumerate(zip(offsets, shape, global_shape)):
+        if o < 0 or o + n > g:
+            raise ShapeError(f"{fqn}: dim {d}: slice [{o}, {o + n}) is outside the global size {g}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSpec:
+    """One slice a data file will hold, without its data: what a streaming writer lays out
+    up front (``shape`` is the slice's local shape, ``dtype`` the dtype it is written in)."""
+
+    fqn: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        _check_slice(self.fqn, tuple(self.shape), tuple(self.offsets), tuple(self.global_shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardData:
+    """One slice of a global tensor to write: its data and where it sits globally."""
+
+    fqn: str
+    data: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    placement: Placement | None = None
+    # Called before ``data`` is read (async saves: waits until the snapshot's copy of this piece landed).
+    ready: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_slice(self.fqn, tuple(self.data.shape), tuple(self.offsets), tuple(self.global_shape))
+
+    def spec(self) -> ShardSpec:
+        return ShardSpec(fqn=self.fqn, dtype=self.data.dtype, shape=tuple(self.data.shape),
+                         global_shape=tuple(self.global_shape), offsets=tuple(self.offsets),
+                         placement=self.placement)
+
+
+def file_order(shards: Sequence) -> list:
+    """Return ``shards`` (ShardData or ShardSpec) in data-file order: element size descending,
+    then record name, then offsets (spec section 3), so every tensor starts aligned."""
+
+    def key(s):
+        isz = s.data.element_size() if isinstance(s, ShardData) else s.dtype.itemsize
+        return (-isz, s.fqn, tuple(s.offsets))
+
+    return sorted(shards, key=key)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrittenFile:
+    """What writing one file produced: its record and the shard records inside it."""
+
+    name: str
+    record: FileRecord
+    shards: tuple[tuple[str, ShardRecord], ...]  # (fqn, shard)
+
+
+def _file_keys(shards: Sequence[ShardData]) -> list[str]:
+    counts: dict[str, int] = {}
+    for s in shards:
+        counts[s.fqn] = counts.get(s.fqn, 0) + 1
+    return [s.fqn if counts[s.fqn] == 1 else f"{s.fqn}@{','.join(map(str, s.offsets))}" for s in shards]
+
+
+def write_shard_file(
+    storage: Storage,
+    directory: str,
+    name: str,
+    rank: int,
+    shards: Sequence[ShardData],
+    *,
+    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
+    sync: bool = True,
+    workers: int = 1,
+    part_size: int = DEFAULT_PART_SIZE,
+) -> WrittenFile:
+    """Write ``shards`` (in the given order) into ``directory/name``, hashing chunks as they are written.
+
+    With ``workers > 1`` on a storage with positional writes, and every shard's memory
+    contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
+    threads write and hash independently, straight from tensor memory. A durable write
+    (``sync``) of a file larger than a part goes around the page cache where the storage can
+    (``O_DIRECT``, on ``aligned.MIN_THREADS`` threads at least). Otherwise the file is
+    streamed in order, hashing each piece on a helper thread while the OS writes it.
+    """
+    if part_size % chunk_size or part_size <= 0:
+        raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
+    header = _shard_header(name, rank, [s.spec() for s in shards])
+    path = storage.join(directory, name)
+    w = storage.open_writer(path)
+    try:
+        segments = _direct_segments(header, shards)
+        parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
+        # durable writes of a large file bypass the page cache where the filesystem allows, on
+        # MIN_THREADS at least: they mostly wait on the device, and keep its queue full
+        direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
+        if direct or (parts and workers > 1):
+            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
+                                         workers=max(workers, aligned.MIN_THREADS) if direct else workers, direct=direct)
+        else:
+            chunks, total = _write_stream(w, header.data, shards, chunk_size)
+    except BaseException:
+        w.abort()
+        raise
+    w.close(sync=sync)
+    if total != header.file_size:
+        raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
+    return _written_file(name, rank, header, shards, chunks, chunk_size)
+
+
+def _shard_header(name: str, rank: int, specs: Sequence[ShardSpec]) -> EncodedHeader:
+    """Lay out a shardfmt data file holding ``specs`` in the given order (keys, header, origins)."""
+    keys = _file_keys(specs)
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise StateDictError(f"{name}: safetensors key(s) {dup[:3]} would name two entries (two shards of one "
+                             "tensor at the same offsets, or a tensor whose name looks like 'fqn@offsets')")
+    return encode_header(
+        [(k, dtype_code(s.dtype, what=s.fqn), tuple(s.shape)) for k, s in zip(keys, specs)],
+        metadata={"format": "shardfmt", "rank": str(rank),
+                  "shards": encode_origins({k: ShardOrigin(fqn=s.fqn, offsets=tuple(s.offsets),
+                                                           global_shape=tuple(s.global_shape))
+                                            for k, s in zip(keys, specs)})},
+    )
+
+
+def _written_file(name: str, rank: int, header: EncodedHeader, shards: Sequence, chunks: Sequence[str],
+                  chunk_size: int) -> WrittenFile:
+    """The file record and shard records of a data file written from ``header``."""
+    chunks = tuple(chunks)
+    record = FileRecord(rank=rank, size=header.file_size, header_size=len(header.data),
+                        header_digest=hashing.digest_bytes(header.data), chunks=chunks,
+                        digest=hashing.combine(chunks))
+    shard_records = []
+    for entry, s in zip(header.entries, shards):
+        span = hashing.chunk_span(entry.start, entry.end, chunk_size)
+        shard_records.append((s.fqn, ShardRecord(
+            offsets=tuple(s.offsets), lengths=tuple(entry.shape), file=name, key=entry.key,
+            byte_range=(entry.start, entry.end), digest=hashing.combine(chunks[span.start:span.stop]),
+        )))
+    return WrittenFile(name=name, record=record, shards=tuple(shard_records))
+
+
+class _OrderedHasher:
+    """Write a file's bytes in order, hashing chunks in the same pass: a helper thread hashes
+    each large piece while the OS writes it (both drop the GIL: ~max(write, hash), not the sum).
+    ``write`` returns only when its bytes are written and hashed, so the caller may reuse them."""
+
+    def __init__(self, w, chunk_size: int, *, hash_pool: ThreadPoolExecutor | None = None) -> None:
+        self._w = w
+        self.hasher = hashing.ChunkHasher(chunk_size)
+        self._pool = hash_pool
+        self._own_pool = hash_pool is None
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        for pos in range(0, len(mv), DEFAULT_PIECE_BYTES):
+            piece = mv[pos : pos + DEFAULT_PIECE_BYTES]
+            if len(piece) < _OVERLAP_MIN:
+                self.hasher.update(piece)
+                self._w.write(piece)
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
+            pending = self._pool.submit(self.hasher.update, piece)
+            try:
+                self._w.write(piece)
+            finally:
+                pending.result()
+
+    def finish(self) -> tuple[list[str], int]:
+        self.shutdown()
+        return self.hasher.finish(), self.hasher.total
+
+    def shutdown(self) -> None:
+        if self._own_pool and self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_size: int) -> tuple[list[str], int]:
+    """Write the file in order, hashing as it goes."""
+    out = _OrderedHasher(w, chunk_size)
+    try:
+        out.write(header_bytes)
+        for s in shards:
+            if s.ready is not None:
+                s.ready()
+            for piece in byte_pieces(s.data):
+                out.write(piece)
+    finally:
+        out.shutdown()
+    return out.finish()
+
+
+class FileStream:
+    """Write one safetensors file whose bytes arrive in order, in pieces of any size.
+
+    Protocol::
+
+        1) f = FileStream(storage, path, header)   opens the file, writes + hashes the header
+        2) f.write(bytes) ...                     exactly the data section, in header order
+        3) chunks, size = f.close()               checks every promised byte arrived, syncs
+        (on any failure: f.abort())
+
+    Chunk digests are computed while writing (no second pass); ``write`` returns once its
+    bytes are written and hashed, so a caller can refill the same buffer at once.
+    """
+
+    def __init__(self, storage: Storage, path: str, header: EncodedHeader, *,
+                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
+                 hash_pool: ThreadPoolExecutor | None = None) -> None:
+        self.path = path
+        self.header = header
+        self._sync = sync
+        self._w = storage.open_writer(path)
+        self._out = _OrderedHasher(self._w, chunk_size, hash_pool=hash_pool)
+        self._done = False
+        try:
+            self._out.write(header.data)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def written(self) -> int:
+        return self._out.hasher.total
+
+    def write(self, data) -> None:
+        n = memoryview(data).nbytes
+        if self.written + n > self.header.file_size:
+            self.abort()
+            raise CommitError(f"{self.path}: {self.written + n} bytes written, the header promised "
+                              f"{self.header.file_size}")
+        try:
+            self._out.write(data)
+        except BaseException:
+            self.abort()
+            raise
+
+    def close(self) -> tuple[tuple[str, ...], int]:
+        if self.written != self.header.file_size:
+            self.abort()
+            raise CommitError(f"{self.path}: closed after {self.written} bytes, the header promised "
+                              f"{self.header.file_size}")
+        chunks, total = self._out.finish()
+        self._done = True
+        self._w.close(sync=self._sync)
+        return tuple(chunks), total
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._out.shutdown()
+        self._w.abort()
+
+
+class ShardStream:
+    """Stream one shardfmt data file holding ``specs`` (in file order): the header (with the
+    ``shards`` origins of spec section 3) is written up front, the slices' bytes arrive through
+    ``write`` in that order, and ``close`` returns the file's records (calling ``on_close``)."""
+
+    def __init__(self, storage: Storage, directory: str, name: str, rank: int, specs: Sequence[ShardSpec], *,
+                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
+                 hash_pool: ThreadPoolExecutor | None = None,
+                 on_close: Callable[[WrittenFile], None] | None = None) -> None:
+        self.name = name
+        self.rank = rank
+        self.specs = tuple(specs)
+        self._chunk_size = chunk_size
+        self._on_close = on_close
+        header = _shard_header(name, rank, self.specs)
+        self._file = FileStream(storage, storage.join(directory, name), header, chunk_size=chunk_size,
+                                sync=sync, hash_pool=hash_pool)
+
+    def write(self, data) -> None:
+        self._file.write(data)
+
+    def close(self) -> WrittenFile:
+        chunks, _ = self._file.close()
+        written = _written_file(self.name, self.rank, self._file.header, self.specs, chunks, self._chunk_size)
+        if self._on_close is not None:
+            self._on_close(written)
+        return written
+
+    def abort(self) -> None:
+        self._file.abort()
+
+
+def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview, Callable | None]] | None:
+    """(file offset, bytes, ready) of the header and every shard, when all are zero-copy views; else None."""
+    segments = [(0, memoryview(header.data), None)]
+    for entry, s in zip(header.entries, shards):
+        if s.data.numel() == 0:
+            continue
+        if not is_direct(s.data):
+            return None
+        segments.append((entry.start, byte_view(s.data), s.ready))
+    return segments
+
+
+def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], file_size: int, *, chunk_size: int,
+                 part_size: int, workers: int, direct: bool = False) -> tuple[list[str], int]:
+    """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads.
+
+    ``direct``: ``w`` has an ``O_DIRECT`` handle and ``part_size`` is a multiple of
+    ``DIRECT_ALIGN``. The parts are then written in aligned blocks: straight from the tensors'
+    memory where it is aligned alike, else gathered into a reused page-aligned bounce buffer per
+    thread (a memcpy at memory speed, instead of the kernel's copy into page-cache pages it must
+    first allocate). Only the file's last block is padded; the file is then trimmed to its size.
+    """
+    starts = [off for off, _, _ in segments]
+    bounce_size = aligned.bounce_size(file_size, cap=aligned.MAX_BLOCK)
+
+    def part(lo: int) -> tuple[list[str], int]:
+        hi = min(lo + part_size, file_size)
+        hasher = hashing.ChunkHasher(chunk_size)  # parts start on chunk boundaries: their chunks are the file's
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        if direct:
+            with aligned.POOL.buffer(bounce_size) as bounce:
+                pos = lo
+                while pos < hi:
+                    end = min(pos + len(bounce.mv), hi)
+                    i, block = _gather(segments, i, pos, end, bounce)
+                    hasher.update(block[:end - pos])
+                    w.pwrite_block(pos, block, end - pos)
+                    pos = end
+            return hasher.finish(), hasher.total
+        pos = lo
+        while pos < hi:
+            off, mv, ready = segments[i]
+            a, b = max(pos - off, 0), min(hi - off, len(mv))
+            if off > pos or a >= b:
+                raise CommitError(f"internal: no data for byte {pos} of the file")
+            if ready is not None:
+                ready()
+            piece = mv[a:b]
+            w.pwrite(off + a, piece)
+            hasher.update(piece)
+            pos = off + b
+            i += 1
+        w.start_writeback(lo, hi - lo)
+        return hasher.finish(), hasher.total
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-write") as pool:
+        results = list(pool.map(part, range(0, file_size, part_size)))
+    if direct:
+        w.truncate(file_size)  # drop the last block's padding
+    return [d for digests, _ in results for d in digests], sum(n for _, n in results)
+
+
+def _gather(segments: list[tuple[int, memoryview, Callable | None]], i: int, pos: int, end: int,
+            bounce: aligned.Bounce) -> tuple[int, memoryview]:
+    """The file's bytes ``[pos, end)`` as one aligned block, padded to a whole ``DIRECT_ALIGN``
+    multiple, and the index of the segment holding byte ``end``. ``segments[i]`` holds ``pos``.
+    A block inside one segment whose memory is aligned alike is that memory (no copy);
+    anything else is copied into ``bounce``."""
+    off, mv, ready = segments[i]
+    n = end - pos
+    if off <= pos and end <= off + len(mv) and n % DIRECT_ALIGN == 0 and address(mv, pos - off) % DIRECT_ALIGN == 0:
+        if ready is not None:
+            ready()
+        return (i + 1 if end == off + len(mv) else i), mv[pos - off:end - off]
+    p = pos
+    while p < end:
+        off, mv, ready = segments[i]
+        a, b = p - off, min(end - off, len(mv))
+        if a < 0 or a >= b:
+            raise CommitError(f"internal: no data for byte {p} of the file")
+        if ready is not None:
+            ready()
+        aligned.copy(bounce.address + (p - pos), address(mv, a), b - a)
+        p = off + b
+        if b == len(mv):
+            i += 1
+    padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+    bounce.mv[n:padded] = bytes(padded - n)
+    return i, bounce.mv[:padded]
+
+
+def default_write_workers() -> int:
+    """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4."""
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(4, (os.cpu_count() or 1) // local))
+
+
+@dataclass
+class _TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    placement: Placement | None = None
+    shards: list[ShardRecord] = field(default_factory=list)
+
+
+class _Lease:
+    """Keep a save's lease fresh while it runs, so collectors leave it alone.
+
+    Local disk: the staging dir's mtime. Object stores: the ``LEASE`` object under the
+    checkpoint's prefix (``storage.touch``); ``stop`` joins the heartbeat and removes it.
+    """
+
+    def __init__(self, storage: Storage, path: str, lease_seconds: float, owner: str = "") -> None:
+        self._storage = storage
+        self._path = path
+        self._stop = threading.Event()
+        self.lost = False  # the lease was gone or another save's at a heartbeat: never commit then
+        # at least every 30 s whatever this save's lease: a collector of another job on the same
+        # root judges it by its own lease (the defaults are 120 s and more), not by this one's
+        self.interval = interval = max(0.5, min(lease_seconds, 120.0) / 4)
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                if storage.touch(path, owner) is False:
+                    self.lost = True
+                    return
+
+        self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self, *, release: bool = False) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if release:
+            self._storage.drop_lease(self._path)
+
+
+class CheckpointWriter:
+    """Write the files of any number of ranks from one process, then commit once.
+
+    Protocol::
+
+        1) w = CheckpointWriter(path, ...)        checks the destination, stages a temp dir
+        2) w.write_rank(rank, shards) per file    streams + hashes each file
+           (or s = w.stream_rank(rank, specs); s.write(bytes)...; s.close(): data fed in pieces)
+        3) w.add_alias / add_view / add_value     non-shard records
+        4) w.commit(step=..., topology=...)       manifest, [check_staged], COMMITTED, atomic publish
+        (on any failure: w.abort() removes the staging dir)
+
+    ``check_staged(storage, staging_path)``, when given, runs once the staged files and the
+    manifest are written and before ``COMMITTED`` is: raising from it aborts the commit (offline
+    tools validate what they wrote there).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        storage: Storage | None = None,
+        storage_options: dict | None = None,
+        overwrite: bool = False,
+        save_id: str | None = None,
+        clock: Clock | None = None,
+        writer_versions: Mapping[str, str] | None = None,
+        chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
+        sync: bool = True,
+        on_step: _commit.StepHook | None = None,
+        lease_seconds: float | None = None,
+        write_workers: int | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        check_staged: Callable[[Storage, str], None] | None = None,
+    ) -> None:
+        if not 4096 <= chunk_size <= 1 << 30:
+            raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
+        if storage is None:
+            storage, path = get_storage(path, storage_options)
+        self.storage = storage
+        self.path = path
+        self.save_id = save_id or new_save_id()
+        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self._writer_versions = dict(writer_versions) if writer_versions is not None else default_writer_versions()
+        self.chunk_size = chunk_size
+        self._sync = sync
+        self.write_workers = write_workers or default_write_workers()
+        self.part_size = part_size
+        self._on_step = on_step
+        self._check_staged = check_staged
+        self._overwrite = overwrite
+        self._files: dict[str, FileRecord] = {}
+        self._tensors: dict[str, _TensorMeta] = {}
+        self._storages: dict[str, _TensorMeta] = {}
+        self._aliases: dict[str, str] = {}
+        self._views: dict[str, tuple[str, tuple[int, ...], ViewRecord]] = {}
+        self._values: dict[str, ValueRecord] = {}
+        self._streaming: set[str] = set()
+        self._done = False
+        lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
+        self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
+                                       lease_seconds=lease_seconds)
+        self.name_tag = None if storage.atomic_rename else self.save_id  # data file names (rank_file_name)
+        self._lease = _Lease(storage, self.staging, lease_seconds, self.save_id)
+
+    # -- 2) data files
+    def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,
+                   storages: Sequence[ShardData] = ()) -> WrittenFile:
+        """Write one data file holding ``shards`` (and storage buffers) for ``rank``."""
+        name = rank_file_name(rank, part, self.name_tag)
+        if name in self._files:
+            raise CommitError(f"{name}: written twice in one save")
+        # Larger elements first, then by name: every tensor then starts at a multiple of its
+        # element size (the header is padded to 8), so readers can view bytes in place.
+        ordered = file_order(list(shards) + list(storages))
+        storage_names = {s.fqn for s in storages}
+        self._register([s.spec() for s in ordered], storage_names)
+        try:
+            written = write_shard_file(self.storage, self.staging, name, rank, ordered,
+                                       chunk_size=self.chunk_size, sync=self._sync,
+                                       workers=self.write_workers, part_size=self.part_size)
+        except BaseException:
+            self.abort()
+            raise
+        self._record(written, storage_names)
+        return written
+
+    def stream_rank(self, rank: int, shards: Sequence[ShardSpec], *, part: int | None = None,
+                    storages: Sequence[ShardSpec] = (),
+                    hash_pool: ThreadPoolExecutor | None = None) -> ShardStream:
+        """Open rank ``rank``'s data file for streaming: its slices (``shards`` and storage
+        buffers, described without data) are laid out in file order (``stream.specs``); the
+        caller writes their bytes in that order and closes the stream, which records the file."""
+        name = rank_file_name(rank, part, self.name_tag)
+        if name in self._files or name in self._streaming:
+            raise CommitError(f"{name}: written twice in one save")
+        ordered = file_order(list(shards) + list(storages))
+        storage_names = {s.fqn for s in storages}
+        self._register(ordered, storage_names)
+        self._streaming.add(name)
+
+        def on_close(written: WrittenFile) -> None:
+            self._streaming.discard(name)
+            self._record(written, storage_names)
+
+        return ShardStream(self.storage, self.staging, name, rank, ordered, chunk_size=self.chunk_size,
+                           sync=self._sync, hash_pool=hash_pool, on_close=on_close)
+
+    def _register(self, specs: Sequence[ShardSpec], storage_names: set[str]) -> None:
+        for s in specs:
+            table = self._storages if s.fqn in storage_names else self._tensors
+            code = dtype_code(s.dtype, what=s.fqn)
+            meta = table.get(s.fqn)
+            if meta is None:
+                table[s.fqn] = _TensorMeta(code, tuple(s.global_shape), s.placement)
+            elif (meta.dtype, meta.shape) != (code, tuple(s.global_shape)):
+                raise ShapeError(f"{s.fqn}: shards disagree on dtype/shape ({meta.dtype} {list(meta.shape)} vs "
+                                 f"{code} {list(s.global_shape)})")
+
+    def _record(self, written: WrittenFile, storage_names: set[str]) -> None:
+        self._files[written.name] = written.record
+        for fqn, shard in written.shards:
+            (self._storages if fqn in storage_names else self._tensors)[fqn].shards.append(shard)
+
+    def add_file(self, written: WrittenFile,
+                 tensor_meta: Mapping[str, tuple[str, tuple[int, ...], Placement | None]],
+                 storage_names: frozenset[str] = frozenset()) -> None:
+        """Record a file another process wrote: ``tensor_meta`` maps fqn -> (dtype, shape, placement)."""
+        if written.name in self._files:
+            raise CommitError(f"{written.name}: recorded twice in one save")
+        self._files[written.name] = written.record
+        for fqn, shard in written.shards:
+            table = self._storages if fqn in storage_names else self._tensors
+            t = table.get(fqn)
+            if t is None:
+                dtype, shape, placement = tensor_meta[fqn]
+                t = table[fqn] = _TensorMeta(dtype, tuple(shape), placement)
+            t.shards.append(shard)
+
+    # -- 3) other records
+    def add_alias(self, fqn: str, target: str) -> None:
+        self._aliases[fqn] = target
+
+    def add_view(self, fqn: str, dtype: str, shape: tuple[int, ...], view: ViewRecord) -> None:
+        self._views[fqn] = (dtype, tuple(shape), view)
+
+    def add_value(self, fqn: str, value: Any = None, *, per_rank: Mapping[int, Any] | None = None) -> None:
+        if per_rank is not None:
+            self._values[fqn] = ValueRecord(per_rank={int(r): jsonvalue.encode(v, where=fqn)
+                                                      for r, v in per_rank.items()})
+        else:
+            self._values[fqn] = ValueRecord(value=jsonvalue.encode(value, where=fqn))
+
+    def add_encoded_value(self, fqn: str, record: ValueRecord) -> None:
+        self._values[fqn] = record
+
+    # -- 4) commit
+    def build_manifest(self, *, step: int | None = None, metadata: Any = None,
+                       topology: Topology | None = None) -> Manifest:
+        tensors: dict[str, TensorRecord] = {}
+        storages: dict[str, TensorRecord] = {}
+        for table, out in ((self._tensors, tensors), (self._storages, storages)):
+            for fqn in sorted(table):
+                meta = table[fqn]
+                shards = tuple(sorted(meta.shards, key=lambda s: (s.offsets, s.file)))
+                problems = tiling_problems([Box(s.offsets, s.lengths) for s in shards], Box.full(meta.shape))
+                if problems:
+                    raise CommitError(f"tensor {fqn!r}: shards do not tile its shape: {problems[0]}")
+                out[fqn] = TensorRecord(dtype=meta.dtype, shape=meta.shape, placement=meta.placement, shards=shards)
+        for fqn, target in sorted(self._aliases.items()):
+            if fqn in tensors:
+                raise StateDictError(f"{fqn}: both stored and aliased")
+            t = tensors.get(target)
+            if t is None:
+                raise StateDictError(f"{fqn}: alias target {target!r} is not stored")
+            tensors[fqn] = TensorRecord(dtype=t.dtype, shape=t.shape, alias_of=target)
+        for fqn, (dtype, shape, view) in sorted(self._views.items()):
+            tensors[fqn] = TensorRecord(dtype=dtype, shape=shape, view=view)
+        tensors = dict(sorted(tensors.items()))
+        return Manifest(
+            save_id=self.save_id,
+            created_at=format_time(self._clock()),
+            step=step,
+            writer=self._writer_versions,
+            chunk_size=self.chunk_size,
+            metadata=jsonvalue.encode(metadata, where="metadata"),
+            topology=topology or Topology(world_size=max([f.rank for f in self._files.values()], default=0) + 1),
+            files=dict(sorted(self._files.items())),
+            tensors=tensors,
+            storages=storages,
+            values=dict(sorted(self._values.items())),
+        )
+
+    def commit(self, *, step: int | None = None, metadata: Any = None,
+               topology: Topology | None = None) -> Manifest:
+        """Build the manifest and publish the checkpoint; abort on any failure."""
+        try:
+            check_step(step)
+        except StateDictError:
+            self.abort()
+            raise
+        if self._done:
+            raise CommitError(f"{self.path}: this writer already finished")
+        if self._streaming:
+            self.abort()
+            raise CommitError(f"{self.path}: data file(s) {sorted(self._streaming)[:3]} were opened for "
+                              "streaming and never closed")
+        if self._lease.lost:
+            self.abort()
+            raise CommitError(f"{self.storage.url(self.path)}: this save's lease was collected or taken over by "
+                              "another save while it ran (it stalled past its lease); nothing was committed")
+        try:
+            manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
+            _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
+                            on_step=self._steps)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._lease.stop(release=True)
+        return manifest
+
+    def _steps(self, name: str) -> None:
+        """The commit protocol's step hook: the staged-result check, then the caller's hook."""
+        if name == "manifest_written" and self._check_staged is not None:
+            self._check_staged(self.storage, self.staging)
+        if self._on_step is not None:
+            self._on_step(name)
+
+    def abort(self) -> None:
+        """Discard everything staged (never touches a committed checkpoint)."""
+        if self._done:
+            return
+        self._done = True
+        self._lease.stop()
+        if self.staging != self.path:
+            _commit.abort(self.storage, self.staging)
+        elif not _commit.is_committed(self.storage, self.path):
+            _commit.abort_own(self.storage, self.path, self.save_id)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+__all__ = ["CheckpointWriter", "FileStream", "ShardData", "ShardSpec", "ShardStream", "WrittenFile", "file_order",
+           "write_shard_file", "ShardfmtError"]

@@ -1,0 +1,118 @@
+"""Copying a committed checkpoint to another storage (the archive tier), verified, then committed.
+
+``copy_checkpoint(src, dst)``::
+
+    1) open the source (COMMITTED + manifest); stage the destination (spec section 7:
+       a ``.tmp-`` dir on local disk, the prefix itself with a LEASE on an object store)
+    2) stream every data file across in ``piece``-sized ranged reads, hashing each chunk on
+       the way and refusing to pass on a chunk that does not match the manifest
+    3) verify the copy where it now lies: re-read every file there and check its header and
+       every chunk hash against the manifest
+    4) commit there: the same manifest bytes, then its own ``COMMITTED``
+
+Memory is one ``piece`` buffer plus the destination writer's parts. A failure at any step
+removes what was staged; nothing half-copied is ever committed. Retries (with backoff) are
+the caller's: ``copy_with_retries``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from shardfmt.commit import protocol as _commit
+from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
+from shardfmt.format import hashing
+from shardfmt.format.manifest import DATA_DIR, Manifest
+from shardfmt.io.storage import Storage
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.saving.writer import _Lease
+from shardfmt.validation import check_files
+
+COPY_PIECE = 16 << 20
+
+
+def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, dst_path: str,
+                    *, piece: int = COPY_PIECE, verify: bool = True) -> Manifest:
+    """Copy the committed checkpoint at ``src_path`` to ``dst_path``; return its manifest.
+
+    Raises CheckpointExistsError if ``dst_path`` is already committed (with the same save id
+    it is simply returned: the copy was made before).
+    """
+    ckpt = open_checkpoint(src_path, storage=src_storage)
+    m = ckpt.manifest
+    if _commit.is_committed(dst_storage, dst_path):
+        there = open_checkpoint(dst_path, storage=dst_storage)
+        if there.manifest.save_id == m.save_id:
+            return there.manifest
+        raise CheckpointExistsError(f"{dst_storage.url(dst_path)}: holds another checkpoint "
+                                    f"(save {there.manifest.save_id}, not {m.save_id})")
+    staging = _commit.prepare(dst_storage, dst_path, m.save_id, overwrite=False)
+    lease = _Lease(dst_storage, staging, dst_storage.lease_seconds, m.save_id)
+    try:
+        dst_storage.makedirs(dst_storage.join(staging, DATA_DIR))
+        buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
+        for name in sorted(m.files):
+            _copy_file(ckpt.storage, ckpt.path, dst_storage, staging, name, m, buf)
+        del buf
+        if verify:
+            problems = check_files(dst_storage, staging, m, deep=True)
+            if problems:
+                raise IntegrityError(f"{dst_storage.url(dst_path)}: the copy does not verify: "
+                                     + "; ".join(str(p) for p in problems[:3]))
+        _commit.publish(dst_storage, dst_path, staging, m)
+    except BaseException:
+        lease.stop()
+        if staging != dst_path or not _commit.is_committed(dst_storage, dst_path):
+            _commit.abort(dst_storage, staging)  # never a committed copy (ours, its reply lost, or a racer's)
+        raise
+    lease.stop(release=True)
+    return m
+
+
+def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: str, m: Manifest,
+               buf: bytearray) -> None:
+    frec = m.files[name]
+    reader = src.open_reader(src.join(src_root, name), size=frec.size, within=src_root)
+    writer = dst.open_writer(dst.join(dst_root, name))
+    hasher = hashing.ChunkHasher(m.chunk_size)
+    view = memoryview(buf)
+    try:
+        pos = 0
+        while pos < frec.size:
+            n = min(len(buf), frec.size - pos)
+            reader.readinto(pos, [view[:n]])
+            first = len(hasher.completed)
+            hasher.update(view[:n])
+            done = hasher.completed
+            for k in range(first, len(done)):
+                if done[k] != frec.chunks[k]:
+                    raise IntegrityError(f"{src.url(src.join(src_root, name))}: chunk {k} hashes to {done[k]}, "
+                                         f"manifest says {frec.chunks[k]}; not archiving a corrupt checkpoint")
+            writer.write(view[:n])
+            pos += n
+        if hasher.finish() != list(frec.chunks):
+            raise IntegrityError(f"{src.url(src.join(src_root, name))}: last chunk does not match the manifest")
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        reader.close()
+    writer.close()
+
+
+def copy_with_retries(copy: Callable[[], Manifest], *, attempts: int = 4, backoff: float = 1.0,
+                      on_retry: Callable[[int, BaseException], None] | None = None) -> Manifest:
+    """Run ``copy`` up to ``attempts`` times, sleeping ``backoff * 2**i`` between tries."""
+    for i in range(attempts):
+        try:
+            return copy()
+        except CheckpointExistsError:
+            raise
+        except (ShardfmtError, OSError) as e:
+            if i == attempts - 1:
+                raise
+            if on_retry is not None:
+                on_retry(i + 1, e)
+            time.sleep(min(backoff * 2 ** i, 300.0))  # capped: never days between tries
+    raise AssertionError("unreachable")

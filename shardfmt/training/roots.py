@@ -1,0 +1,237 @@
+"""Checkpoint roots: what is under one (status of each checkpoint) and collecting what dead saves left.
+
+A root holds ``step_NNNNNNNNN`` checkpoints (spec/ROOTS.md section 1). Listing opens each one
+quickly (COMMITTED, manifest, file sizes: no data). Garbage collection removes only what a
+dead save left, judged by its lease (spec/ROOTS.md section 1): staging dirs (``.tmp-``), uncommitted
+checkpoint prefixes (object stores write in place), and multipart uploads never completed.
+A live save keeps its lease fresh, so a collector never touches it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from shardfmt.commit.names import is_quarantined_dir, parse_step_dir
+from shardfmt.commit.protocol import is_data_file, is_save_leftover
+from shardfmt.errors import (
+    CheckpointNotFoundError,
+    FormatVersionError,
+    ShardfmtError,
+    SpecialFileError,
+    StorageError,
+)
+from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
+from shardfmt.io.registry import get_storage
+from shardfmt.io.storage import Storage
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.training.retention import lease_expired
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointInfo:
+    step: int
+    path: str
+    status: str  # committed | incomplete | corrupt | quarantined | unsupported
+    reason: str = ""  # why it is not committed
+
+
+def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
+                      ) -> tuple[str, int | None, int | None, str]:
+    """Return (status, step, size, reason) of one checkpoint directory, quickly.
+
+    "unsupported" is a committed checkpoint of a format version this reader cannot read (a
+    newer release's): neither usable nor corrupt, so never quarantined nor removed (spec/ROOTS.md section 1).
+    ``markers_only``: look at the COMMITTED and QUARANTINED markers alone (one or two requests
+    on an object store), not at the manifest and the files' sizes."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if ".tmp-" in name:
+        return "incomplete", None, None, "staging dir of an unfinished save"
+    if is_quarantined_dir(name):
+        return "quarantined", None, None, "renamed aside by a restore that found it unusable"
+    if not storage.exists(storage.join(path, COMMITTED_NAME)):
+        return "incomplete", None, None, f"no {COMMITTED_NAME}"
+    if not storage.atomic_rename and storage.exists(storage.join(path, QUARANTINED_NAME)):
+        return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
+    if markers_only:
+        return "committed", None, None, ""
+    try:
+        ckpt = open_checkpoint(path, storage=storage)
+    except StorageError:
+        raise  # a failed read (network, throttling, permission) says nothing about the checkpoint
+    except FormatVersionError as e:
+        return "unsupported", None, None, unsupported_reason(e)
+    except ShardfmtError as e:
+        return "corrupt", None, None, str(e)
+    m = ckpt.manifest
+    for fname, f in m.files.items():
+        try:
+            size = storage.size(storage.join(path, fname), within=path)
+        except CheckpointNotFoundError:
+            return "corrupt", m.step, None, f"{fname} is missing"
+        except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
+            return "corrupt", m.step, None, str(e)
+        if size != f.size:
+            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
+    return "committed", m.step, sum(f.size for f in m.files.values()), ""
+
+
+def unsupported_reason(e: FormatVersionError) -> str:
+    """Why a checkpoint is "unsupported", naming both versions."""
+    if e.version is not None and e.version > FORMAT_VERSION:
+        return f"format version {e.version}; this reader supports up to {FORMAT_VERSION}"
+    return str(e)
+
+
+def require_root(storage: Storage, root: str) -> None:
+    """Raise CheckpointNotFoundError unless ``root`` is a directory: a misspelled root is an
+    error, not an empty one."""
+    if not storage.isdir(root):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: not a directory")
+
+
+def _parent_dir(root: str) -> str:
+    return root.rstrip("/").rsplit("/", 1)[0] or "/"
+
+
+def root_parent(storage: Storage, root: str) -> str:
+    """The URL of what must exist for a missing ``root`` to be a first run: its parent directory,
+    or on an object store (where prefixes exist only by holding objects) its bucket."""
+    return storage.url(root.lstrip("/").split("/", 1)[0] if storage.object_store else _parent_dir(root))
+
+
+def probe_root(storage: Storage, root: str) -> str:
+    """What ``root`` is to a Checkpointer (spec/ROOTS.md section 1): "root" (a directory), "new" (missing,
+    its parent exists: a first run) or "orphan" (missing, and so is its parent: a misspelled path?).
+
+    Raise CheckpointNotFoundError when ``root`` is a checkpoint itself (named ``step_N``, or
+    holding ``manifest.json`` or ``COMMITTED``) or a file."""
+    name = root.rstrip("/").rsplit("/", 1)[-1]
+    is_dir = storage.isdir(root)
+    if parse_step_dir(name) is not None or (is_dir and any(storage.exists(storage.join(root, n))
+                                                           for n in (COMMITTED_NAME, MANIFEST_NAME))):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: is a checkpoint, not a Checkpointer root (the "
+                                      "directory holding step_NNNNNNNNN checkpoints): pass its parent "
+                                      f"{storage.url(_parent_dir(root))}")
+    if is_dir:
+        return "root"
+    if storage.exists(root):
+        raise CheckpointNotFoundError(f"{storage.url(root)}: is a file, not a Checkpointer root (a directory)")
+    bucket_exists = getattr(storage, "bucket_exists", None)
+    if storage.object_store and bucket_exists is not None:
+        return "new" if bucket_exists(root) else "orphan"
+    return "new" if storage.isdir(_parent_dir(root)) else "orphan"
+
+
+def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dict]:
+    """Every checkpoint-like directory under ``root`` (a path or fsspec URL) with its status."""
+    storage, root = get_storage(root, storage_options)
+    require_root(storage, root)
+    out = []
+    for name in storage.listdir(root):
+        path = storage.join(root, name)
+        if not storage.isdir(path):
+            continue
+        inner = set(storage.listdir(path))
+        if not inner & {COMMITTED_NAME, MANIFEST_NAME, "data"} and ".tmp-" not in name:
+            continue
+        status, step, size, reason = checkpoint_status(storage, path)
+        out.append({"name": name, "path": storage.url(path), "status": status, "step": step, "size": size,
+                    "reason": reason})
+    return out
+
+
+def step_paths(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """Every ``step_*`` under ``root``, oldest first, as (step, path): one listing, nothing opened."""
+    if not storage.exists(root):
+        check = getattr(storage, "check_bucket", None)
+        if check is not None:
+            check(root)  # an empty root is fine; a misspelled bucket is an error, not "no checkpoints"
+        return []
+    found = [(parse_step_dir(name), storage.join(root, name)) for name in storage.listdir(root)]
+    return sorted((step, path) for step, path in found if step is not None)
+
+
+def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
+    """Every ``step_*`` under ``root``, oldest first, with its status."""
+    out = []
+    for step, path in step_paths(storage, root):
+        status, _, _, reason = checkpoint_status(storage, path)
+        out.append(CheckpointInfo(step=step, path=path, status=status, reason=reason))
+    return out
+
+
+def newest_committed(storage: Storage, root: str) -> str | None:
+    """The newest committed checkpoint under ``root``: checked newest first, stopping at the first
+    that passes (the cost does not grow with the number of checkpoints kept)."""
+    for _, path in reversed(step_paths(storage, root)):
+        if checkpoint_status(storage, path)[0] == "committed":
+            return path
+    return None
+
+
+_STAGING_RE = re.compile(r".+\.tmp-[0-9a-f]{16}")  # <name>.tmp-<save id> (spec section 2)
+
+
+def _is_staging_dir(storage: Storage, root: str, name: str) -> bool:
+    """Whether ``root/name`` is a local save's staging dir: its name, and nothing in it but what
+    a save writes: a real directory (not a link) of regular files with a save's names
+    (``list_tree`` refuses a link, FIFO or device anywhere in it: then it is kept)."""
+    path = storage.join(root, name)
+    if not _STAGING_RE.fullmatch(name) or not storage.isdir(path):
+        return False
+    return all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in storage.list_tree(path, within=root))
+
+
+def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
+                    now: float | None = None, dry_run: bool = False) -> list[str]:
+    """Remove what dead saves left under ``root``; return the URLs removed (or, dry, to remove)."""
+    lease = storage.lease_seconds if lease_seconds is None else lease_seconds
+    now = time.time() if now is None else now
+    if not storage.exists(root):
+        return []
+    removed: list[str] = []
+    states: dict[str, str] = {}
+
+    def state(name: str) -> str:
+        """What lies under ``root/name``: "committed", "dead" (a dead save's) or "keep"."""
+        if name not in states:
+            path = storage.join(root, name)
+            try:
+                if not storage.atomic_rename and storage.exists(storage.join(path, COMMITTED_NAME)):
+                    states[name] = "committed"  # retention's business, never gc's
+                elif not storage.atomic_rename and not is_save_leftover(storage, path):
+                    states[name] = "keep"  # not what a save writes: not ours to remove
+                elif storage.atomic_rename and not _is_staging_dir(storage, root, name):
+                    states[name] = "keep"  # "notes.tmp-2024.txt", "photos.tmp-backup/": a user's, not a save's
+                else:
+                    states[name] = "dead" if lease_expired(storage.mtime(path), now, lease) else "keep"
+            except ShardfmtError:
+                states[name] = "keep"
+        return states[name]
+
+    for name in storage.listdir(root):
+        if ".tmp-" not in name and not (parse_step_dir(name) is not None and not storage.atomic_rename):
+            continue
+        if state(name) != "dead":
+            continue
+        path = storage.join(root, name)
+        try:
+            if not dry_run:
+                storage.remove_tree(path)
+            removed.append(storage.url(path))
+        except ShardfmtError:
+            continue
+    # Uploads a dead save began and never completed (invisible, but stored and billed): the
+    # checkpoint they belong to is judged by its lease, not by the upload's own start time;
+    # under a committed checkpoint the save is over, so its leftover uploads go too.
+    list_uploads = getattr(storage, "list_uploads", None)
+    for upload_path, upload_id, _started in (list_uploads(root) if list_uploads else []):
+        name = upload_path[len(root.rstrip("/")) + 1:].split("/", 1)[0]
+        if state(name) == "keep":
+            continue
+        if not dry_run:
+            storage.abort_upload(upload_path, upload_id)
+        removed.append(f"{storage.url(upload_path)} (incomplete multipart upload)")
+    return removed
