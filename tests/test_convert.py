@@ -183,6 +183,7 @@ def test_round_trip_8_to_3_to_8_is_exact(src8, tmp_path):
     _own_files_only(back, Mesh.parse(MESH8))
 
 
+@pytest.mark.slow
 def test_same_world_size_keeps_per_rank_values_and_dtype_cast(src8, tmp_path):
     dst = str(tmp_path / "bf16")
     rep = convert(src8, dst, "tp=8", dtype="bf16", memory_budget="1MiB")
