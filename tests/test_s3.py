@@ -637,6 +637,7 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
     assert ck.restore({"m": torch.nn.Linear(4, 4)}) == 2
 
 
+@pytest.mark.slow
 def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     ck = shardfmt.Checkpointer(f"{bucket}/lease", lease_seconds=8)
     assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
