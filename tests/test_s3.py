@@ -17,7 +17,6 @@ import warnings
 
 import orjson
 import pytest
-import s3fs
 import torch
 
 import shardfmt
@@ -29,6 +28,8 @@ from tests.distributed.harness import check_all_ok, launch
 
 CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2}}
+
+pytestmark = pytest.mark.slow  # the moto server's start alone was the fast tier's slowest test
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,8 @@ def server():
 
 @pytest.fixture
 def bucket(server):
+    import s3fs  # here, not at collection (1 s of every run)
+
     name = "b" + uuid.uuid4().hex[:12]
     s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True).mkdir(name)
     server.clear_faults()
@@ -54,6 +57,8 @@ def bucket(server):
 
 
 def _fs(server):
+    import s3fs
+
     return s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True, use_listings_cache=False)
 
 
@@ -67,7 +72,6 @@ def _empty_like(state):
     return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": None, "note": None}
 
 
-@pytest.mark.slow
 def test_save_and_load_round_trip_with_multipart_parts(server, bucket):
     url = f"{bucket}/run/step_1"
     state = _state()
@@ -90,7 +94,6 @@ def test_save_and_load_round_trip_with_multipart_parts(server, bucket):
     assert not fs.call_s3("list_multipart_uploads", Bucket=bucket[5:]).get("Uploads")
 
 
-@pytest.mark.slow
 def test_upload_memory_stays_within_parts_in_flight(server, bucket):
     """A 256 MiB file streams up in 16 MiB parts, 4 at a time (the defaults): RSS grows less than
     2 x part size x concurrency (the issue's bound), far less than the file."""
@@ -145,7 +148,6 @@ def test_two_rank_save_to_s3_then_resharded_loads_read_what_they_need(server, bu
     assert shardfmt.validate(url, deep=True).ok
 
 
-@pytest.mark.slow
 def test_a_chunk_shared_by_an_in_place_and_a_bounced_target_crosses_the_wire_once(server, bucket):
     """A column slice (through a bounce buffer) and a bias loaded in place, in one hash chunk:
     one ranged GET of it, not one per group."""
@@ -162,7 +164,6 @@ def test_a_chunk_shared_by_an_in_place_and_a_bounced_target_crosses_the_wire_onc
     assert st["bytes_out"] <= f.size + (64 << 10), st  # the data once, plus COMMITTED, manifest, header
 
 
-@pytest.mark.slow
 def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
     root = f"{bucket}/cli"
     shardfmt.save(_state(rows=64), f"{root}/step_000000001", step=1)
@@ -206,7 +207,6 @@ def _torn_save_script(root: str) -> str:
     """)
 
 
-@pytest.mark.slow
 def test_torn_upload_is_ignored_by_restore_and_collected_after_its_lease(server, bucket):
     root = f"{bucket}/torn"
     out = subprocess.run([sys.executable, "-c", _torn_save_script(root)], capture_output=True, text=True,
@@ -231,7 +231,6 @@ def test_torn_upload_is_ignored_by_restore_and_collected_after_its_lease(server,
     assert ck.latest().endswith("step_000000002")
 
 
-@pytest.mark.slow
 def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server, bucket):
     import orjson
 
@@ -254,7 +253,6 @@ def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server,
     assert shardfmt.validate(f"{bucket}/dead").ok
 
 
-@pytest.mark.slow
 def test_archive_to_s3_then_restore_after_the_local_root_is_gone(server, bucket, tmp_path):
     import shutil
 
@@ -286,7 +284,6 @@ def test_archive_to_s3_then_restore_after_the_local_root_is_gone(server, bucket,
     assert all(bytes_equal(fresh.state_dict()[k], ck4["model"][k]) for k in want)
 
 
-@pytest.mark.slow
 def test_archive_failures_are_retried_reported_and_never_raised(server, bucket, tmp_path):
     ck = shardfmt.Checkpointer(str(tmp_path / "r"), archive="s3://no-such-bucket-here/a",
                                archive_storage_options=FAST_FAIL, archive_backoff=0.01)
@@ -300,7 +297,6 @@ def test_archive_failures_are_retried_reported_and_never_raised(server, bucket, 
     assert sum("retrying" in str(w.message) for w in caught) == ck.archive_attempts - 1
 
 
-@pytest.mark.slow
 def test_missing_bucket_and_unreachable_endpoint_fail_fast_with_the_url(server):
     with pytest.raises(StorageError, match=r"s3://no-such-bucket-x/ck.*bucket does not exist"):
         shardfmt.save({"x": torch.ones(4)}, "s3://no-such-bucket-x/ck", storage_options=FAST_FAIL)
@@ -313,7 +309,6 @@ def test_missing_bucket_and_unreachable_endpoint_fail_fast_with_the_url(server):
     assert time.monotonic() - t < 30
 
 
-@pytest.mark.slow
 def test_a_5xx_in_the_middle_of_a_save_commits_nothing_and_leaves_no_upload(server, bucket):
     url = f"{bucket}/flaky/step_1"
     server.fail("PUT", after=3)  # LEASE and the first parts go through, then every PUT is a 500
@@ -349,7 +344,6 @@ def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
         storage.take_lease(fresh)
 
 
-@pytest.mark.slow
 def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
     """If a collector removed a save's objects under it, the save fails instead of committing."""
     url = f"{bucket}/vanish/step_1"
@@ -364,7 +358,6 @@ def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
     assert not fs.exists(url[5:] + "/COMMITTED")
 
 
-@pytest.mark.slow
 def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(server, bucket):
     """A stalled save (its lease expired) resumes while a newer save of the same path has written
     its manifest and committed: the stale save fails, and the newer checkpoint stays intact
@@ -387,7 +380,6 @@ def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(s
     assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
 
 
-@pytest.mark.slow
 def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_took_over(server, bucket):
     """The stale save fails when it resumes, and removes only its own objects: the newer save,
     still writing (not yet committed), keeps every object and then commits a valid checkpoint."""
@@ -414,7 +406,6 @@ def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_
     assert all(bytes_equal(back["model"][k], newer["model"][k]) for k in newer["model"])
 
 
-@pytest.mark.slow
 def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_took_over(server, bucket):
     """Its heartbeat finds another save's LEASE: it stops refreshing (so it never keeps the prefix
     looking alive for itself), refuses to commit, and its abort leaves the newer save's LEASE, so
@@ -451,7 +442,6 @@ def auth_server():
     srv.stop()
 
 
-@pytest.mark.slow
 def test_bad_credentials_are_refused_with_a_clear_error(auth_server):
     opts = dict(FAST_FAIL, endpoint_url=auth_server.endpoint, key="AKIAWRONGWRONGWRONG1", secret="wrong")
     with pytest.raises(AccessDeniedError, match=r"s3://bkt-auth/ck.*access denied"):
@@ -461,7 +451,6 @@ def test_bad_credentials_are_refused_with_a_clear_error(auth_server):
     assert auth_server.stats()["requests"] >= 1, "the requests reached the server and were refused there"
 
 
-@pytest.mark.slow
 def test_checkpointer_on_s3_async_saves_retention_and_quarantine(server, bucket, capsys):
     root = f"{bucket}/ckpt"
     model = torch.nn.Linear(32, 32)
@@ -521,7 +510,6 @@ print(json.dumps({"growth": max(peak[0], rss()) - before, "windows": rep.windows
 """
 
 
-@pytest.mark.slow
 def test_convert_to_s3_keeps_its_upload_buffers_inside_the_budget(server, bucket, tmp_path):
     import json
 
@@ -547,7 +535,6 @@ def test_convert_to_s3_keeps_its_upload_buffers_inside_the_budget(server, bucket
     assert all(bytes_equal(back[k], ref[k]) for k in ref)
 
 
-@pytest.mark.slow
 def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
     """Objects that are not a shardfmt save are refused, whatever their age; paths that fsspec
     would expand as patterns, and a bucket's root, are refused before anything is written."""
@@ -567,7 +554,6 @@ def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
         shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({})  # checkpoints yet"
 
 
-@pytest.mark.slow
 def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, capsys):
     """spec/ROOTS.md section 1 where a prefix's parent is its bucket: a new prefix in an existing bucket is a
     first run (logged), a missing bucket an error (a warning with allow_fresh_start), a store that
@@ -598,7 +584,6 @@ def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, 
         shardfmt.load({"m": {"weight": torch.zeros(4, 4)}}, root)
 
 
-@pytest.mark.slow
 def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(server, bucket, capsys):
     root = f"{bucket}/next"
     ck = shardfmt.Checkpointer(root)
@@ -617,7 +602,6 @@ def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(se
         {"step_000000001": "committed", "step_000000002": "unsupported"}
 
 
-@pytest.mark.slow
 def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):
     import shardfmt.io.fsspec as O
 
@@ -637,7 +621,6 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
     assert ck.restore({"m": torch.nn.Linear(4, 4)}) == 2
 
 
-@pytest.mark.slow
 def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     ck = shardfmt.Checkpointer(f"{bucket}/lease", lease_seconds=8)
     assert ck.lease_seconds == 8 and ck.storage.lease_seconds == 8
@@ -645,7 +628,6 @@ def test_checkpointer_lease_reaches_the_saves_heartbeat(server, bucket):
     assert storage.lease_seconds == 8  # what save() builds from the same options: heartbeat every 2 s
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("change", ["appended", "truncated"])
 def test_a_data_object_of_another_size_is_refused_even_unverified(server, bucket, change):
     """Spec: a file's size is always checked. On S3 it comes with every ranged GET
