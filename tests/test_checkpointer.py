@@ -12,7 +12,7 @@ from conftest import as_next_format_version, flip_byte
 
 import shardfmt
 import shardfmt.saving.async_save
-import shardfmt.training.checkpointer
+import shardfmt.training.archiving
 from shardfmt.training.checkpointer import Checkpointer, CompatibilityError
 from shardfmt.training.retention import to_delete
 from shardfmt.training.sampler import ResumableSampler
@@ -487,7 +487,7 @@ def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_pat
             raise shardfmt.StorageError("simulated: the archive is unreachable for a while")
         return real(*a, **k)
 
-    monkeypatch.setattr(shardfmt.training.checkpointer, "copy_checkpoint", flaky)  # where the Checkpointer looks it up
+    monkeypatch.setattr(shardfmt.training.archiving, "copy_checkpoint", flaky)  # where the archive tier looks it up
     ck = Checkpointer(root, keep_last=2, archive=arch, archive_every=10, archive_attempts=1)
     m = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():
@@ -516,7 +516,7 @@ def test_restore_takes_the_newest_step_whether_on_the_root_or_in_the_archive(tmp
     assert torch.all(got.weight == 20.0)
     # a root that cannot be listed (a transient failure) fails the restore: the archive's older
     # steps are no answer while the root may hold newer ones
-    import shardfmt.training.checkpointer as C
+    import shardfmt.training.restore as C  # where restore looks it up
 
     real = C.list_steps
     monkeypatch.setattr(C, "list_steps", lambda st, r: (_ for _ in ()).throw(shardfmt.StorageError("flaky"))
@@ -560,7 +560,7 @@ def test_a_dead_copys_leftover_in_the_archive_does_not_block_archiving_that_step
     for p in (os.path.join(leftover, "data"), leftover):
         os.utime(p, (old, old))
     ck = Checkpointer(root, archive=arch, archive_every=10, archive_attempts=1)
-    ck._archive_one(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
+    ck._archiver.copy(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
     assert ck.archive_errors == [] and os.listdir(arch) == ["step_000000010"]
 
 

@@ -289,7 +289,7 @@ def test_archive_failures_are_retried_reported_and_never_raised(server, bucket, 
     assert ck.latest().endswith("step_000000001"), "training's own checkpoint is unaffected"
     assert len(ck.archive_errors) == 1 and "s3://no-such-bucket-here/a/step_000000001" in ck.archive_errors[0]
     assert "bucket does not exist" in ck.archive_errors[0]
-    assert sum("retrying" in str(w.message) for w in caught) == ck.archive_attempts - 1
+    assert sum("retrying" in str(w.message) for w in caught) == ck.options.archive.attempts - 1
 
 
 def test_missing_bucket_and_unreachable_endpoint_fail_fast_with_the_url(server):
