@@ -534,6 +534,30 @@ def test_bad_checkpointer_arguments_are_refused_at_construction(tmp_path, kw):
         Checkpointer(str(tmp_path), **kw)
 
 
+def test_keywords_and_an_options_object_make_the_same_checkpointer(tmp_path):
+    """Each knob has one home (CheckpointerOptions); the constructor's keywords set its fields,
+    over an options object when both are given, and the policies take effect either way."""
+    from shardfmt.training.options import ArchivePolicy, CheckpointerOptions, RetentionPolicy
+
+    root, arch = str(tmp_path / "run"), str(tmp_path / "arch")
+    opts = CheckpointerOptions(retention=RetentionPolicy(keep_last=2, keep_every=100),
+                               archive=ArchivePolicy(url=arch, every=10), lease_seconds=30.0)
+    by_keywords = Checkpointer(root, keep_last=2, keep_every=100, archive=arch, archive_every=10, lease_seconds=30.0)
+    assert by_keywords.options == opts and by_keywords.lease_seconds == 30.0
+    ck = Checkpointer(root, options=opts, keep_last=1)
+    assert ck.options.retention == RetentionPolicy(keep_last=1, keep_every=100) and ck.options.archive == opts.archive
+    m = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        ck.save(step, {"model": m})
+        ck.wait()
+    assert [i.step for i in ck.list()] == [1, 3]  # keep_last=1, and step 1 as bucket 0's long-term copy
+    assert os.listdir(arch) == ["step_000000001"]  # one copy per archive_every=10 steps
+    with pytest.raises(TypeError, match="keep_lats"):
+        Checkpointer(root, keep_lats=1)
+    with pytest.raises(ValueError, match="Checkpointer: archive_every must be an int >= 1"):
+        ArchivePolicy(url=arch, every=0)
+
+
 def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_path):
     """Job B saves with a 2 h lease; job A's gc on the same root judges by its own 600 s: B's
     heartbeat must come more often than any default lease expires (it came every 30 min)."""

@@ -69,15 +69,15 @@ __all__ = ["Checkpointer", "CheckpointerOptions", "CompatibilityError", "RNG_KEY
 class Checkpointer:
     """Save and restore whole training states under ``root`` (a directory or fsspec URL).
 
-    Knobs are given as ``options`` (a ``CheckpointerOptions``) and/or as keywords, which set
-    those fields: ``keep_last`` (3), ``keep_every`` (None), ``config``, ``allow_fresh_start``
-    (False), ``storage_options``, ``process_group``, ``timeout``, ``lease_seconds``, ``mesh``,
-    ``archive`` (a URL), ``archive_every`` (1), ``archive_storage_options``, ``archive_attempts``
-    (4), ``archive_backoff`` (2.0 s); ``options.KEYWORDS`` maps them to the options' fields.
+    Knobs are given as ``options`` (a ``CheckpointerOptions``, where their defaults live) and/or
+    as keywords that set its fields: ``keep_last``, ``keep_every``, ``config``,
+    ``allow_fresh_start``, ``storage_options``, ``process_group``, ``timeout``, ``lease_seconds``,
+    ``mesh``, ``archive`` (a URL), ``archive_every``, ``archive_storage_options``,
+    ``archive_attempts``, ``archive_backoff`` (``options.KEYWORDS`` maps them to the fields).
     """
 
-    def __init__(self, root: str, options: CheckpointerOptions | None = None, **keywords: Any) -> None:
-        self.options = opts = (options or CheckpointerOptions()).replace(**keywords)
+    def __init__(self, root: str, *, options: CheckpointerOptions | None = None, **keywords: Any) -> None:
+        self.options = opts = (options or CheckpointerOptions()).with_keywords(**keywords)
         self.storage_options = opts.effective_storage_options
         self.storage, self.root = get_storage(root, self.storage_options)
         self.lease_seconds = self.storage.lease_seconds

@@ -75,7 +75,7 @@ class CheckpointerOptions:
     lease_seconds: float | None = None
     mesh: Mapping[str, int] | None = None
 
-    def replace(self, **keywords: Any) -> CheckpointerOptions:
+    def with_keywords(self, **keywords: Any) -> CheckpointerOptions:
         """Return these options with the Checkpointer's flat ``keywords`` (``KEYWORDS``) set."""
         unknown = sorted(set(keywords) - set(KEYWORDS))
         if unknown:
