@@ -48,7 +48,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
 from shardfmt.training.compat import CompatibilityError
-from shardfmt.training.entries import RNG_KEY, for_save, materialize
+from shardfmt.training.entries import for_save, materialize
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
 from shardfmt.training.ranks import Ranks
@@ -63,7 +63,7 @@ from shardfmt.training.restore import (
 from shardfmt.training.roots import CheckpointInfo, collect_garbage, list_steps, newest_committed
 from shardfmt.training.saves import PendingSaves
 
-__all__ = ["Checkpointer", "CheckpointerOptions", "CompatibilityError", "RNG_KEY"]
+__all__ = ["Checkpointer", "CheckpointerOptions", "CompatibilityError"]
 
 
 class Checkpointer:
