@@ -55,6 +55,10 @@ class StateDictError(ShardfmtError):
     """A state dict cannot be saved or loaded as given (bad key, unsupported value, mismatch)."""
 
 
+class CompatibilityError(StateDictError):
+    """The checkpoint was written for a different model or config."""
+
+
 class DTypeError(StateDictError):
     """A dtype cannot be stored, or a target's dtype differs from the checkpoint's."""
 

@@ -50,6 +50,7 @@ from shardfmt.commit.names import parse_step_dir, quarantine_dir_name, step_dir_
 from shardfmt.commit.protocol import is_committed
 from shardfmt.errors import (
     CheckpointNotFoundError,
+    CompatibilityError,
     FormatVersionError,
     ShardfmtError,
     StateDictError,
@@ -81,10 +82,6 @@ RNG_KEY = "_shardfmt_rng"
 _FAILURES = (ShardfmtError, OSError)
 _ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
 log = logging.getLogger("shardfmt")
-
-
-class CompatibilityError(StateDictError):
-    """The checkpoint was written for a different model or config."""
 
 
 def _is_module(v) -> bool:
