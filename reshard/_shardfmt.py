@@ -22,7 +22,13 @@ from shardfmt.format.manifest import (
     ValueRecord,
     check_step,
 )
-from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, encode_header, header_length
+from shardfmt.format.safetensors import (
+    PREFIX_BYTES,
+    EncodedHeader,
+    decode_header,
+    encode_header,
+    header_length,
+)
 from shardfmt.format.tensor_bytes import BufferFile, byte_pieces, byte_view
 from shardfmt.io.registry import get_storage, parse_storage_options
 from shardfmt.io.storage import Storage
@@ -40,7 +46,7 @@ from shardfmt.saving.writer import CheckpointWriter, FileStream, ShardData, Shar
 from shardfmt.validation import validate
 
 __all__ = [
-    "DEFAULT_MAX_GAP", "DEFAULT_MAX_READ", "DEFAULT_WORKERS", "MAX_WORLD", "PREFIX_BYTES", "Box", "BufferFile",
+    "DEFAULT_MAX_GAP", "DEFAULT_MAX_READ", "DEFAULT_WORKERS", "MAX_WORLD", "PREFIX_BYTES", "Box", "BufferFile", "EncodedHeader",
     "CheckpointWriter", "Executor", "FileRecord", "FileStream", "Layout", "Manifest", "Mesh", "Placement", "Rules",
     "ShardData", "ShardRecord", "ShardSpec", "Storage", "TargetSlice", "TensorRecord", "Topology", "TopologyError",
     "ValueRecord", "assign_writers", "box_spans", "byte_pieces", "byte_view", "check_headers", "check_step",

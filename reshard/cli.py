@@ -28,9 +28,11 @@ from reshard._shardfmt import (
 )
 from reshard.convert import convert
 from reshard.dcp.importer import TRUST_PICKLE_HELP, import_dcp
-from reshard.hf_export import export_hf
+from reshard.dcp.plan import DEFAULT_MEMORY_BUDGET
+from reshard.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
 from reshard.hf_import import import_hf
 from reshard.parse import human, parse_mesh
+from reshard.stream.memory import DEFAULT_BUDGET
 from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 
@@ -162,7 +164,7 @@ _BUDGET_HELP = "tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); defaul
 
 def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help: str, verify: bool) -> None:
     """The flags convert, export-hf and import-hf share."""
-    p.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    p.add_argument("--memory-budget", default=DEFAULT_BUDGET, metavar="SIZE", help=budget_help)
     if verify:
         p.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
     p.add_argument("--overwrite", action="store_true", help=overwrite_help)
@@ -208,7 +210,7 @@ def _add_import_dcp(sub) -> None:
                     help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
     di.add_argument("--step", type=_int_at_least(0, 1 << 62),  # the manifest's range (spec section 4)
                     help="training step to record in the manifest")
-    di.add_argument("--memory-budget", type=int, default=1 << 30, metavar="BYTES",
+    di.add_argument("--memory-budget", type=int, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
                     help="tensor bytes held at once; each rank's file is split into parts of at most this "
                          "(a larger single chunk is a part of its own; default 1 GiB)")
     di.add_argument("--skip-unsupported-values", action="store_true",
@@ -243,7 +245,8 @@ def _add_export_hf(sub) -> None:
                                     "the checkpoint's metadata['hf_config'] or --config.")
     ex.add_argument("src")
     ex.add_argument("dst")
-    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default 5GB = 5*10^9)")
+    ex.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                    help="largest file (default 5GB = 5*10^9)")
     ex.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
     ex.add_argument("--only", metavar="PREFIX", help="export only the subtree PREFIX, with PREFIX. stripped "
                                                      "(e.g. --only model for a Checkpointer's {'model': ...})")

@@ -35,6 +35,7 @@ import torch
 
 from reshard._shardfmt import (
     Box,
+    EncodedHeader,
     Manifest,
     box_spans,
     dtype_code,
@@ -139,6 +140,17 @@ def select_names(names, *, only: str | None, strip_prefix: str | None,
     return out, excluded
 
 
+def _exported_names(path: str, m: Manifest, *, only: str | None, strip_prefix: str | None,
+                    add_prefix: str | None) -> tuple[dict[str, str], int]:
+    """``select_names`` over the checkpoint's tensors; none at all is a MissingKeyError."""
+    names, excluded = select_names(m.tensors, only=only, strip_prefix=strip_prefix, add_prefix=add_prefix)
+    if not names:
+        tops = sorted({n.split(".", 1)[0] for n in m.tensors})
+        raise MissingKeyError(f"{path}: no tensors to export"
+                              + (f" under {only!r}" if only else "") + f" (top-level names: {tops[:10]})")
+    return names, excluded
+
+
 def _read_config(config) -> dict:
     if isinstance(config, Mapping):
         return dict(config)
@@ -160,7 +172,7 @@ class ExportPlan:
     the index's ``weight_map`` (exported name -> file)."""
 
     files: tuple[str, ...]
-    headers: tuple[Any, ...]
+    headers: tuple[EncodedHeader, ...]
     pieces: tuple[Piece, ...]
     weight_map: Mapping[str, str]
     tensors: int
@@ -290,11 +302,7 @@ def export_hf(
     check_destination(dst_storage, dst_path, overwrite)
 
     cfg = given_cfg if config is not None else config_from_metadata(jsonvalue.decode(m.metadata, where="metadata"))
-    names, excluded = select_names(m.tensors, only=only, strip_prefix=strip_prefix, add_prefix=add_prefix)
-    if not names:
-        tops = sorted({n.split(".", 1)[0] for n in m.tensors})
-        raise MissingKeyError(f"{ckpt.path}: no tensors to export"
-                              + (f" under {only!r}" if only else "") + f" (top-level names: {tops[:10]})")
+    names, excluded = _exported_names(ckpt.path, m, only=only, strip_prefix=strip_prefix, add_prefix=add_prefix)
     source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
     mem = memory_plan(fit_uploads(dst_storage, budget), chunk_size=m.chunk_size, verify=verify,
                       workers=min(4, getattr(ckpt.storage, "read_concurrency", 4)))
