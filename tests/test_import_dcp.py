@@ -41,7 +41,8 @@ from reshard.dcp.importer import import_dcp
 from reshard.dcp.metadata import DcpChunk, DcpLocation, DcpMetadata, DcpTensor, parse_metadata
 from reshard.dcp.plan import plan_import, rank_of_files
 from reshard.dcp.unpickler import record_cap
-from shardfmt.errors import DcpImportError, StateDictError, UnsafePickleError
+from reshard.errors import DcpImportError, UnsafePickleError
+from shardfmt.errors import StateDictError
 from tests.deadline import deadline
 from tests.distributed.harness import check_all_ok, launch
 from tests.distributed.model import truth
