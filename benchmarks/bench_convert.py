@@ -239,7 +239,7 @@ def job_run(a: dict) -> list[dict]:
         rep = convert(a["src"], a["out"], a["dst_mesh"], memory_budget=a["budget"])
         extra = {"bytes_read": rep.bytes_read, "windows": rep.windows, "source_bytes": rep.source_bytes}
     elif method.startswith("export@"):
-        from reshard.hf import export_hf
+        from reshard.hf_export import export_hf
 
         rep = export_hf(a["src"], a["out"], memory_budget=a["budget"])
         extra = {"bytes_read": rep.bytes_read, "files": len(rep.files)}

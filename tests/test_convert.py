@@ -15,7 +15,10 @@ import reshard.convert
 import shardfmt
 from reshard.cli import main as reshard_main
 from reshard.convert import convert
-from reshard.stream import BudgetError, Piece, memory_plan, plan_windows
+from reshard.errors import BudgetError
+from reshard.stream.memory import memory_plan
+from reshard.stream.plan import plan_windows
+from reshard.stream.records import Piece
 from shardfmt.format.manifest import Topology
 from shardfmt.layout.dtensor import placement_record
 from shardfmt.layout.geometry import Box
@@ -300,7 +303,7 @@ def test_window_plan_streams_large_and_interleaved_slices_in_file_order():
 
 _RSS_SCRIPT = r"""
 import json, sys, threading, time
-import reshard.convert, reshard.hf
+import reshard.convert, reshard.hf_export
 
 def rss():
     with open("/proc/self/status") as f:
@@ -324,7 +327,7 @@ if what == "convert":
     rep = reshard.convert.convert(src, dst, sys.argv[5], memory_budget=int(budget))
     out = {"windows": rep.windows, "read": rep.bytes_read, "written": rep.bytes_written}
 else:
-    rep = reshard.hf.export_hf(src, dst, memory_budget=int(budget), max_shard_size="40MB")
+    rep = reshard.hf_export.export_hf(src, dst, memory_budget=int(budget), max_shard_size="40MB")
     out = {"files": len(rep.files), "read": rep.bytes_read, "written": rep.total_size}
 stop.set()
 t.join()

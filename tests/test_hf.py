@@ -12,7 +12,10 @@ from conftest import bytes_equal
 
 import shardfmt
 from reshard.cli import main as reshard_main
-from reshard.hf import HF_CONFIG_KEY, HFError, export_hf, import_hf
+from reshard.errors import HFError
+from reshard.hf_export import export_hf
+from reshard.hf_import import import_hf
+from reshard.hf_layout import HF_CONFIG_KEY
 
 transformers = pytest.importorskip("transformers")
 
