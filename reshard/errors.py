@@ -1,14 +1,20 @@
 """The offline tools' errors: each a ``ShardfmtError`` (the CLI's exit 1), and a ``ValueError``
 too where it is a bad argument (the CLI's exit 2).
 
-``DcpImportError`` and ``UnsafePickleError`` are defined in ``shardfmt.errors`` (the
-top-level ``shardfmt`` names them) and re-exported here, so the tools' errors have one home
-to import from; shardfmt never imports reshard.
+The tools' errors live here, not in ``shardfmt.errors``: shardfmt never imports reshard.
 """
 
 from __future__ import annotations
 
-from shardfmt.errors import DcpImportError, ShardfmtError, UnsafePickleError
+from shardfmt.errors import ShardfmtError
+
+
+class DcpImportError(ShardfmtError):
+    """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
+
+
+class UnsafePickleError(DcpImportError):
+    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""
 
 
 class BudgetError(ShardfmtError, ValueError):

@@ -85,11 +85,3 @@ class StorageError(ShardfmtError):
 
 class AccessDeniedError(StorageError):
     """The storage refused the credentials or the permission (wrong key, read-only bucket)."""
-
-
-class DcpImportError(ShardfmtError):
-    """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
-
-
-class UnsafePickleError(DcpImportError):
-    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""
