@@ -47,7 +47,6 @@ from shardfmt.format.manifest import QUARANTINED_NAME
 from shardfmt.io.registry import get_storage
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
-from shardfmt.training.compat import CompatibilityError
 from shardfmt.training.entries import for_save, materialize
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
@@ -63,7 +62,7 @@ from shardfmt.training.restore import (
 from shardfmt.training.roots import CheckpointInfo, collect_garbage, list_steps, newest_committed
 from shardfmt.training.saves import PendingSaves
 
-__all__ = ["Checkpointer", "CheckpointerOptions", "CompatibilityError"]
+__all__ = ["Checkpointer", "CheckpointerOptions"]
 
 
 class Checkpointer:

@@ -14,13 +14,9 @@ from typing import Any
 
 import orjson
 
-from shardfmt.errors import StateDictError
+from shardfmt.errors import CompatibilityError
 from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.manifest import Manifest
-
-
-class CompatibilityError(StateDictError):
-    """The checkpoint was written for a different model or config."""
 
 
 def config_hash(config: Any) -> str | None:

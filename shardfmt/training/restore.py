@@ -31,6 +31,7 @@ from shardfmt.api import load
 from shardfmt.commit.names import quarantine_dir_name
 from shardfmt.errors import (
     CheckpointNotFoundError,
+    CompatibilityError,
     FormatVersionError,
     ShardfmtError,
     StateDictError,
@@ -39,7 +40,7 @@ from shardfmt.errors import (
 from shardfmt.format.manifest import QUARANTINED_NAME
 from shardfmt.io.storage import Storage
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.training.compat import CompatibilityError, check_compat
+from shardfmt.training.compat import check_compat
 from shardfmt.training.entries import apply, for_restore, optimizer_signature
 from shardfmt.training.ranks import Ranks
 from shardfmt.training.roots import CheckpointInfo, list_steps, probe_root, root_parent
