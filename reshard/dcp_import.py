@@ -62,7 +62,8 @@ from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import MAX_WORLD
-from shardfmt.saving.writer import CheckpointWriter, ShardData
+from shardfmt.saving.shard_file import ShardData
+from shardfmt.saving.writer import CheckpointWriter
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # decoded tensor bytes held at once (one part of a rank's file)
 METADATA_LIMIT = 1 << 31  # largest .metadata read

@@ -80,7 +80,7 @@ from shardfmt.layout.geometry import Box, box_spans
 from shardfmt.layout.rules import Rules, load_rules, plan_layouts
 from shardfmt.layout.topology import Mesh
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.saving.writer import FileStream
+from shardfmt.saving.shard_file import FileStream
 
 HF_CONFIG_KEY = "hf_config"  # manifest metadata key holding a transformers config.json (spec section 8.1)
 INDEX_NAME = "model.safetensors.index.json"

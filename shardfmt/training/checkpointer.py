@@ -61,7 +61,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.layout.state import IfSaved, PerRank
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.saving.async_save import Stager, async_save, at_exit
-from shardfmt.saving.distributed import all_gather_bytes, broadcast_bytes, control_group
+from shardfmt.saving.coordinator import all_gather_bytes, broadcast_bytes, control_group
 from shardfmt.training import rng
 from shardfmt.training.archive import copy_checkpoint, copy_with_retries
 from shardfmt.training.retention import to_delete
