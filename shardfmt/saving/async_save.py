@@ -239,15 +239,10 @@ def async_save(
     stager.inflight = handle
     _LIVE.add(handle)
     snap = _Snapshot(handle, stager, prepared, t0)
-
-    def work() -> None:
-        # The plan's collectives and the staging need no data: they run while the copy does.
-        handle._run(lambda: run_save(prepared, path, coord=coord, options=opts, step=step, metadata=metadata,
-                                     snapshot=snap.staged), on_commit, t0)
-
-    # Not daemons: the interpreter waits for an in-flight save before it exits.
-    handle._thread = threading.Thread(target=work, name="shardfmt-async-save", daemon=False)
-    _start(handle, snap, stage, t0)
+    # The plan's collectives and the staging need no data: they run while the copy does.
+    save = functools.partial(run_save, prepared, path, coord=coord, options=opts, step=step, metadata=metadata,
+                             snapshot=snap.staged)
+    _start(handle, snap, stage, save=save, on_commit=on_commit, t0=t0)
     handle.blocked_seconds = time.perf_counter() - t0
     return handle
 
@@ -325,10 +320,14 @@ class _Snapshot:
         return self._snap
 
 
-def _start(handle: AsyncSave, snap: _Snapshot, stage: str, t0: float) -> None:
+def _start(handle: AsyncSave, snap: _Snapshot, stage: str, *, save: Callable[[], Manifest],
+           on_commit: Callable[[Manifest], None] | None, t0: float) -> None:
     """Start the copy and the writer thread: ``stage="call"`` copies here (the writer starts during
     the copy only when it is DMA: CPU copies on the caller's thread would share the cores and the
     GIL with it and block the caller longer); ``"background"`` copies on a thread of its own."""
+    # Not daemons: the interpreter waits for an in-flight save before it exits.
+    handle._thread = threading.Thread(target=handle._run, args=(save, on_commit, t0), name="shardfmt-async-save",
+                                      daemon=False)
     if stage == "background":
         handle._thread.start()
         threading.Thread(target=snap.run, name="shardfmt-async-stage", daemon=False).start()

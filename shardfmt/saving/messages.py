@@ -25,7 +25,6 @@ from shardfmt.format.manifest import (
     Placement,
     ShardRecord,
     TensorRecord,
-    ViewRecord,
     _parse_file,
     _parse_shard,
     _parse_tensor,
@@ -214,4 +213,4 @@ def open_envelope(o: Mapping, decode):
 
 
 __all__ = ["Committed", "HeldTensor", "RankError", "RankState", "Staged", "Written", "WrittenFile",
-           "envelope", "open_envelope", "ViewRecord"]
+           "envelope", "open_envelope"]
