@@ -127,17 +127,23 @@ class AsyncSave:
 
 
 class DefaultStagers:
-    """The stagers ``async_save`` uses when the caller gives none: one per process group
-    (keyed by the group's ranks; None: the default group or one process). Each keeps one
-    copy of the rank's state in host memory until ``release()``."""
+    """The stagers ``async_save`` uses when the caller gives none: one per process group, keyed
+    by the group's ranks (None: the default group, or one process). Each keeps one copy of the
+    rank's state in host memory, for the life of the default process group it was made under
+    (a new ``init_process_group`` starts afresh; the old ones go once no save holds them), or
+    until ``release()``."""
 
     def __init__(self) -> None:
         self._stagers: dict[tuple | None, Stager] = {}
+        self._world = None
         self._lock = threading.Lock()
 
     def get(self, process_group=None) -> Stager:
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         key = None if process_group is None else tuple(dist.get_process_group_ranks(process_group))
         with self._lock:
+            if world is not self._world:
+                self._world, self._stagers = world, {}
             s = self._stagers.get(key)
             if s is None:
                 s = self._stagers[key] = Stager()
