@@ -424,3 +424,7 @@ def default_write_workers() -> int:
     """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4."""
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(4, (os.cpu_count() or 1) // local))
+
+
+__all__ = ["FileStream", "ShardData", "ShardSpec", "ShardStream", "WrittenFile", "default_write_workers", "file_order",
+           "write_shard_file"]

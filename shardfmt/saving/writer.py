@@ -379,3 +379,7 @@ class CheckpointWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+
+
+# ShardData is shard_file's; named here too for ``shardfmt/__init__`` (which imports it from this module).
+__all__ = ["CheckpointWriter", "ShardData", "default_writer_versions", "format_time", "new_save_id"]
