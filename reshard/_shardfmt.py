@@ -41,14 +41,16 @@ from shardfmt.loading.executor import DEFAULT_WORKERS, Executor
 from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.targets import targets_for_rank
-from shardfmt.saving.distributed import assign_writers
-from shardfmt.saving.writer import CheckpointWriter, FileStream, ShardData, ShardSpec, file_order
+from shardfmt.saving.messages import HeldTensor, RankState
+from shardfmt.saving.plan import assign_writers
+from shardfmt.saving.shard_file import FileStream, ShardData, ShardSpec, file_order
+from shardfmt.saving.writer import CheckpointWriter
 from shardfmt.validation import validate
 
 __all__ = [
     "DEFAULT_MAX_GAP", "DEFAULT_MAX_READ", "DEFAULT_WORKERS", "MAX_WORLD", "PREFIX_BYTES", "Box", "BufferFile", "EncodedHeader",
     "CheckpointWriter", "Executor", "FileRecord", "FileStream", "Layout", "Manifest", "Mesh", "Placement", "Rules",
-    "ShardData", "ShardRecord", "ShardSpec", "Storage", "TargetSlice", "TensorRecord", "Topology", "TopologyError",
+    "HeldTensor", "RankState", "ShardData", "ShardRecord", "ShardSpec", "Storage", "TargetSlice", "TensorRecord", "Topology", "TopologyError",
     "ValueRecord", "assign_writers", "box_spans", "byte_pieces", "byte_view", "check_headers", "check_step",
     "decode_header", "digest_bytes", "dtype_code", "encode_header", "file_order", "get_storage", "hashing",
     "header_length", "intersect", "is_run", "jsonvalue", "load_rules", "open_checkpoint", "parse_storage_options",

@@ -4,7 +4,7 @@
 slices it will load, so the new job loads on the fast path (each rank reads its own file);
 a slice several ranks hold (replicated over dp, or a tensor outside every pp stage) is
 written once, by the holder the save-time balancing rule picks
-(``shardfmt.saving.distributed.assign_writers``). Placements come from the source manifest,
+(``shardfmt.saving.plan.assign_writers``). Placements come from the source manifest,
 retargeted to the new mesh, or from a rules file (``shardfmt.layout.rules``).
 
 Protocol::
@@ -35,10 +35,12 @@ import torch
 from reshard._shardfmt import (
     Box,
     CheckpointWriter,
+    HeldTensor,
     Layout,
     Manifest,
     Mesh,
     Placement,
+    RankState,
     Rules,
     ShardSpec,
     Storage,
@@ -131,12 +133,12 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
         boxes = [(t.fqn, t.box) for t in targets_for_rank(m, mesh, rank, layouts=layouts)]
         boxes += [(name, Box.full(rec.shape)) for name, rec in m.storages.items()]  # views load whole
         held[rank] = boxes
-        by_fqn: dict[str, list] = {}
+        by_fqn: dict[str, list[Box]] = {}
         for fqn, box in boxes:
-            by_fqn.setdefault(fqn, []).append([list(box.offsets), list(box.lengths)])
-        descs.append({"rank": rank, "tensors": [
-            {"fqn": f, "dtype": dtype_code(dtypes[f], what=f), "shape": list(m.tensor(f).shape), "boxes": b}
-            for f, b in by_fqn.items()]})
+            by_fqn.setdefault(fqn, []).append(box)
+        descs.append(RankState(rank=rank, tensors=tuple(
+            HeldTensor(fqn=f, dtype=dtype_code(dtypes[f], what=f), shape=tuple(m.tensor(f).shape), boxes=tuple(b))
+            for f, b in by_fqn.items())))
     writers = assign_writers(descs)
     mine: dict[int, list[ShardSpec]] = {}
     for (fqn, offsets, lengths), rank in writers.items():

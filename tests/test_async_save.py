@@ -135,7 +135,7 @@ def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_re
     """With overlap the writer waits piece by piece: ``ready(i)`` returns once buffer ``i`` holds
     its copy (not before ``run``), and a copy that fails makes the later pieces' ``ready`` raise
     the project's error (so every rank's save fails instead of writing stale bytes)."""
-    from shardfmt.saving.async_save import StagedCopy
+    from shardfmt.saving.stager import StagedCopy
 
     src = [torch.arange(6.0), torch.ones(3, 4)]
     copy = shardfmt.Stager(overlap=True).begin(src)
@@ -290,7 +290,8 @@ def test_checkpointer_async_latest_never_names_an_in_flight_save(tmp_path, monke
 def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, monkeypatch):
     """Ctrl-C during the call's copy: the interrupt propagates, nothing is written, and the
     handle is done, so the interpreter's exit (which waits for in-flight saves) does not hang."""
-    from shardfmt.saving.async_save import _LIVE, StagedCopy
+    from shardfmt.saving.async_save import _LIVE
+    from shardfmt.saving.stager import StagedCopy
 
     def interrupted(self):
         raise KeyboardInterrupt
@@ -322,8 +323,8 @@ def test_a_save_still_writing_when_the_script_ends_is_committed_before_exit(tmp_
             time.sleep(1.0)  # still writing when the main thread ends
             return real(*a, **k)
         W.write_shard_file = slow
-        import shardfmt.saving.distributed as D
-        D.write_shard_file = slow
+        import shardfmt.saving.protocol as P
+        P.write_shard_file = slow
         real_rank = W.CheckpointWriter.write_rank
         def slow_rank(self, *a, **k):
             time.sleep(1.0)

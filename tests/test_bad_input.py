@@ -301,7 +301,7 @@ def test_a_bad_step_fails_before_any_data_is_written(tmp_path, monkeypatch, step
     def no_writer(*a, **k):
         raise AssertionError("a save with a bad step must not start writing")
 
-    monkeypatch.setattr("shardfmt.saving.distributed.CheckpointWriter", no_writer)
+    monkeypatch.setattr("shardfmt.saving.protocol.CheckpointWriter", no_writer)
     path = str(tmp_path / "ck")
     with pytest.raises(shardfmt.errors.StateDictError, match="step must be"):
         shardfmt.save({"w": torch.ones(3)}, path, step=step)

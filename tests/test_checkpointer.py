@@ -221,9 +221,9 @@ def test_a_failed_restore_that_wrote_into_the_model_is_no_fresh_start(tmp_path):
 
 
 def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_path, monkeypatch):
-    import shardfmt.saving.distributed as D
+    import shardfmt.saving.protocol as P
 
-    real = D.run_save
+    real = P.run_save
 
     def failing(prepared, path, **kw):
         if path.endswith("step_000000001"):

@@ -11,6 +11,7 @@ import torch
 import shardfmt
 from shardfmt.commit.protocol import STEPS
 from shardfmt.io.storage import LocalStorage
+from shardfmt.saving.options import SaveOptions, Seams
 from shardfmt.training.roots import list_checkpoints
 
 
@@ -32,6 +33,10 @@ def _value(path):
 
 
 OLD = torch.full((64, 64), 1.0)
+
+
+def _hooked(hook) -> SaveOptions:
+    return SaveOptions(_seams=Seams(on_step=hook))
 NEW = torch.full((64, 64), 2.0)
 
 
@@ -39,7 +44,7 @@ NEW = torch.full((64, 64), 2.0)
 def test_crash_on_first_save_leaves_nothing_or_a_committed_checkpoint(step, tmp_path):
     path = str(tmp_path / "ck")
     with pytest.raises(Crash):
-        shardfmt.save({"w": NEW}, path, _on_step=_crash_at(step))
+        shardfmt.save({"w": NEW}, path, options=_hooked(_crash_at(step)))
     rows = list_checkpoints(str(tmp_path))
     committed = [r for r in rows if r["status"] == "committed"]
     if os.path.exists(path):
@@ -68,7 +73,7 @@ def test_crash_during_overwrite_keeps_old_or_new(step, exchange, tmp_path, monke
     path = str(tmp_path / "ck")
     shardfmt.save({"w": OLD}, path)
     with pytest.raises(Crash):
-        shardfmt.save({"w": NEW}, path, overwrite=True, _on_step=_crash_at(step))
+        shardfmt.save({"w": NEW}, path, overwrite=True, options=_hooked(_crash_at(step)))
     got = _value(path)  # never "nothing there"
     assert torch.equal(got, OLD) or torch.equal(got, NEW)
     published = STEPS.index(step) >= STEPS.index("published")
@@ -135,10 +140,12 @@ def test_process_killed_mid_save_leaves_previous_state(step, tmp_path):
     shardfmt.save({"w": OLD}, path)
     code = textwrap.dedent(f"""
         import os, torch, shardfmt
+        from shardfmt.saving.options import SaveOptions, Seams
         def hook(name):
             if name == {step!r}:
                 os._exit(9)
-        shardfmt.save({{"w": torch.full((64, 64), 2.0)}}, {path!r}, overwrite=True, _on_step=hook)
+        shardfmt.save({{"w": torch.full((64, 64), 2.0)}}, {path!r}, overwrite=True,
+                      options=SaveOptions(_seams=Seams(on_step=hook)))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert proc.returncode == 9, proc.stderr.decode()

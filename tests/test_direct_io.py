@@ -12,7 +12,7 @@ import shardfmt
 from shardfmt.errors import StorageError
 from shardfmt.io import aligned
 from shardfmt.io.storage import LocalStorage
-from shardfmt.saving.writer import ShardData, _gather, write_shard_file
+from shardfmt.saving.shard_file import ShardData, _gather, write_shard_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
 

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 import shardfmt
 from shardfmt import ShardedTensor
+from shardfmt.saving.options import SaveOptions, Seams
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
@@ -254,8 +255,8 @@ def test_deterministic_bytes(tmp_path):
     import datetime as dt
 
     sd = {"a": torch.arange(10.0), "b": {"c": torch.ones(3, dtype=torch.int8)}, "v": (1, 2)}
-    kw = dict(_save_id="fixed", _clock=lambda: dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
-              _writer_versions={"shardfmt": "x"})
+    kw = dict(options=SaveOptions(_seams=Seams(save_id="fixed", writer_versions={"shardfmt": "x"},
+                                               clock=lambda: dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))))
     shardfmt.save(sd, str(tmp_path / "one"), **kw)
     shardfmt.save(sd, str(tmp_path / "two"), **kw)
     for name in ("manifest.json", "COMMITTED", "data/rank_00000.safetensors"):

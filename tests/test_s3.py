@@ -23,6 +23,7 @@ import torch
 import shardfmt
 from shardfmt.cli import main as shardfmt_main
 from shardfmt.errors import AccessDeniedError, CheckpointExistsError, CommitError, StorageError
+from shardfmt.saving.options import SaveOptions, Seams
 from tests import s3_server
 from tests.conftest import bytes_equal
 from tests.distributed.harness import check_all_ok, launch
@@ -349,7 +350,7 @@ def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
             fs.rm(fs.find(url[5:] + "/data"))
 
     with pytest.raises(CommitError, match="vanished"):
-        shardfmt.save(_state(rows=64), url, _on_step=collector_strikes)
+        shardfmt.save(_state(rows=64), url, options=SaveOptions(_seams=Seams(on_step=collector_strikes)))
     assert not fs.exists(url[5:] + "/COMMITTED")
 
 
@@ -368,7 +369,7 @@ def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(s
                 fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
 
     with pytest.raises(shardfmt.errors.CheckpointExistsError):
-        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, options=SaveOptions(_seams=Seams(on_step=takeover)))
     assert shardfmt.validate(url, deep=True).ok
     back = _empty_like(newer)
     shardfmt.load(back, url)
@@ -391,7 +392,7 @@ def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_
                     fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
 
     with pytest.raises((shardfmt.errors.CheckpointExistsError, CommitError)):
-        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, options=SaveOptions(_seams=Seams(on_step=takeover)))
     theirs = sorted(k[len(other[5:]):] for k in fs.find(other[5:]) if not k.endswith("/COMMITTED"))
     assert sorted(k[len(url[5:]):] for k in fs.find(url[5:])) == theirs  # none of the newer save's removed
     fs.pipe_file(url[5:] + "/COMMITTED", fs.cat_file(other[5:] + "/COMMITTED"))  # the newer save commits
@@ -412,17 +413,19 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     from shardfmt.saving.writer import CheckpointWriter, ShardData
 
     st, path = get_storage(f"{bucket}/stale/step_000000001", {"lease_seconds": 2})
-    a = CheckpointWriter(path, storage=st)  # stalls past its 2 s lease from here on
+    a = CheckpointWriter(path, storage=st)
+    a.stage()  # stalls past its 2 s lease from here on
     a.write_rank(0, [ShardData(fqn="w", data=torch.ones(8), global_shape=(8,), offsets=(0,))])
     st.remove_tree(path)  # the newer save's collector cleared the expired prefix ...
-    b = CheckpointWriter(path, storage=st)  # ... and the newer save took it
+    b = CheckpointWriter(path, storage=st)
+    b.stage()  # ... and the newer save took it
     time.sleep(1.5)  # a's heartbeats (every 0.5 s) find b's lease
     assert lease_owner(st, path) == b.save_id
     with pytest.raises(CommitError, match="lease was collected or taken over"):
         a.commit(step=1)
     assert lease_owner(st, path) == b.save_id
     with pytest.raises(CheckpointExistsError, match="in progress"):
-        CheckpointWriter(path, storage=st)
+        CheckpointWriter(path, storage=st).stage()
     b.write_rank(0, [ShardData(fqn="w", data=torch.full((8,), 2.0), global_shape=(8,), offsets=(0,))])
     b.commit(step=1)
     got = {"w": torch.zeros(8)}

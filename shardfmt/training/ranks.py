@@ -1,6 +1,6 @@
 """How the Checkpointer's ranks agree: rank 0's choice broadcast, every rank's outcome gathered.
 
-Messages are small JSON values (orjson) on the gloo control group of ``saving.distributed``,
+Messages are small JSON values (orjson) on the gloo control group of ``saving.coordinator``,
 never on the training's own collectives. Without a process group of more than one rank (not
 initialized, or a world of one) every call is local: ``broadcast`` returns its argument and
 ``all_gather`` a list of it.
@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import torch
 
-from shardfmt.saving.distributed import all_gather_bytes, broadcast_bytes, control_group
+from shardfmt.saving.coordinator import all_gather_bytes, broadcast_bytes, control_group
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

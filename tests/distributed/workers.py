@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import shardfmt
 from shardfmt.layout.topology import Mesh
+from shardfmt.saving.options import SaveOptions, Seams
 from tests.distributed.model import check_state, rank_state, specs, truth
 
 JOBS = {}
@@ -350,7 +351,7 @@ def ckpt_torn(rank, world, args):
     """Drill c: step 1 saved; during step 2's save every rank dies after writing its file."""
     import signal
 
-    import shardfmt.saving.distributed as D
+    import shardfmt.saving.protocol as P
     import shardfmt.saving.writer as W
 
     ck = shardfmt.Checkpointer(args["root"])
@@ -363,7 +364,7 @@ def ckpt_torn(rank, world, args):
             return out
         return wrapped
 
-    D.write_shard_file = dying(D.write_shard_file)
+    P.write_shard_file = dying(P.write_shard_file)
     W.write_shard_file = dying(W.write_shard_file)
     if args.get("async"):
         h = ck.save(2, {"rows": RowShard(rank, world, 2)}, async_=True)
@@ -422,7 +423,8 @@ def async_save2(rank, world, args):
     def slow_commit(name):
         if hold["on"] and name == "files_written":
             time.sleep(1.5)
-    h2 = shardfmt.async_save(state, args["path"] + "_b", stager=stager, _on_step=slow_commit)
+    h2 = shardfmt.async_save(state, args["path"] + "_b", stager=stager,
+                            options=SaveOptions(_seams=Seams(on_step=slow_commit)))
     time.sleep(0.3)
     h3 = shardfmt.async_save(state, args["path"] + "_c", stager=stager, policy="skip")
     hold["on"] = False
@@ -438,7 +440,7 @@ def async_save2(rank, world, args):
 def async_snapshot_fails_on_one_rank(rank, world, args):
     """Rank 1's snapshot copy fails; its only piece is replicated and written by rank 0. Every
     rank's save must still fail, fast, naming rank 1, and nothing is committed."""
-    from shardfmt.saving.async_save import StagedCopy
+    from shardfmt.saving.stager import StagedCopy
 
     if rank == 1:
         orig = StagedCopy.run
