@@ -20,8 +20,8 @@ from shardfmt.format.manifest import (
     TensorRecord,
     Topology,
     ValueRecord,
-    check_step,
 )
+from shardfmt.format.parse import check_step
 from shardfmt.format.safetensors import (
     PREFIX_BYTES,
     EncodedHeader,

@@ -199,7 +199,7 @@ def test_non_json_manifest(saved):
 
 def test_manifest_over_the_limit(saved, monkeypatch):
     path, _ = saved
-    import shardfmt.format.manifest as mf
+    import shardfmt.format.parse as mf
     import shardfmt.loading.reader as rd
 
     monkeypatch.setattr(rd, "MAX_MANIFEST_BYTES", 100)
@@ -234,7 +234,7 @@ def test_newer_format_version_names_both(saved):
 
 def test_older_version_goes_through_migration(saved, monkeypatch):
     path, full = saved
-    import shardfmt.format.manifest as mf
+    import shardfmt.format.parse as mf
 
     recommit(path, lambda o: (o.__setitem__("format_version", 0), o.__setitem__("legacy_field", 1)))
     with pytest.raises(shardfmt.errors.FormatVersionError, match="no migration"):

@@ -306,7 +306,7 @@ def test_a_manifest_parsed_in_pieces_is_the_manifest_parsed_whole(tmp_path, monk
     """The bounded parse (members found by a scan, parsed in batches) gives the same records as
     one parse of the whole text, for a manifest with views, aliases, values and metadata."""
     from shardfmt.format import jsonscan
-    from shardfmt.format.manifest import parse_manifest
+    from shardfmt.format.parse import parse_manifest
 
     path = str(tmp_path / "ck")
     base = torch.arange(20, dtype=torch.float32)
@@ -422,7 +422,7 @@ def _raw_manifest(path: str) -> bytes:
     (b'"metadata":null', b'"metadata":[' + PAD + b"]"),
 ], ids=["empty-object", "empty-array", "empty-metadata-list"])
 def test_valid_json_padded_past_one_piece_parses_as_a_whole_parse_does(small, edit):
-    from shardfmt.format.manifest import parse_manifest
+    from shardfmt.format.parse import parse_manifest
 
     raw = _raw_manifest(small)
     assert edit[0] in raw
@@ -439,7 +439,7 @@ def test_valid_json_padded_past_one_piece_parses_as_a_whole_parse_does(small, ed
     ((b'"storages":{}', b'"storages":{[' + b"[]," * 400_000 + b'[]]:0}'), "not a string|not valid JSON"),
 ], ids=["wrong-closer", "empty-member", "duplicate-top-level", "duplicate-in-record", "container-as-key"])
 def test_invalid_json_past_one_piece_is_refused_as_a_whole_parse_refuses_it(small, edit, match):
-    from shardfmt.format.manifest import parse_manifest
+    from shardfmt.format.parse import parse_manifest
 
     raw = _raw_manifest(small)
     assert edit[0] in raw

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from shardfmt.errors import CommitError, ShardfmtError, StateDictError
 from shardfmt.format import jsonvalue
-from shardfmt.format.manifest import Manifest, check_step
+from shardfmt.format.manifest import Manifest
+from shardfmt.format.parse import check_step
 from shardfmt.saving.coordinator import LocalCoordinator, coordinator_for
 from shardfmt.saving.describe import Prepared, prepare
 from shardfmt.saving.messages import RankError

@@ -19,17 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardfmt.errors import ShardfmtError
-from shardfmt.format.manifest import (
-    FileRecord,
-    Manifest,
-    Placement,
-    ShardRecord,
-    TensorRecord,
-    _parse_file,
-    _parse_shard,
-    _parse_tensor,
+from shardfmt.format.manifest import FileRecord, Manifest, Placement, ShardRecord, TensorRecord
+from shardfmt.format.parse import (
     parse_file_name,
+    parse_file_record,
     parse_manifest,
+    parse_shard_record,
+    parse_tensor_record,
 )
 from shardfmt.layout.geometry import Box
 
@@ -61,7 +57,7 @@ class HeldTensor:
     @classmethod
     def from_json(cls, o: Mapping, *, rank: int) -> HeldTensor:
         fqn = o["fqn"]
-        rec = _parse_tensor(fqn, o["record"], _where(rank, fqn), {})
+        rec = parse_tensor_record(fqn, o["record"], _where(rank, fqn), {})
         boxes = tuple(_box(b, rec.shape, f"{_where(rank, fqn)}.boxes[{i}]") for i, b in enumerate(o["boxes"]))
         return cls(fqn=fqn, dtype=rec.dtype, shape=rec.shape, placement=rec.placement, storage=bool(o["storage"]),
                    boxes=boxes)
@@ -94,7 +90,7 @@ class RankState:
 
     @classmethod
     def from_json(cls, o: Mapping, *, rank: int) -> RankState:
-        views = {f: _parse_tensor(f, r, _where(rank, f), {}) for f, r in o["views"].items()}
+        views = {f: parse_tensor_record(f, r, _where(rank, f), {}) for f, r in o["views"].items()}
         if any(r.view is None for r in views.values()):
             raise ShardfmtError(f"{_where(rank, 'views')}: a view record without a view")
         return cls(rank=rank, tensors=tuple(HeldTensor.from_json(t, rank=rank) for t in o["tensors"]),
@@ -135,13 +131,13 @@ class WrittenFile:
     def from_json(cls, o: Mapping, *, rank: int, tensors: Mapping[str, TensorRecord]) -> WrittenFile:
         """Decode with the manifest's parsers; ``tensors`` (fqn -> record) give each shard its shape."""
         name = parse_file_name(o["name"], _where(rank, "file"))
-        rec = _parse_file(o["record"], _where(rank, name), MAX_WORLD)
+        rec = parse_file_record(o["record"], _where(rank, name), MAX_WORLD)
         shards = []
         for i, (fqn, s) in enumerate(o["shards"]):
             t = tensors.get(fqn)
             if t is None:
                 raise ShardfmtError(f"{_where(rank, name)}: shard of {fqn!r}, which no rank holds")
-            shards.append((fqn, _parse_shard(s, f"{_where(rank, name)}.shards[{i}]", name=fqn, ndim=len(t.shape),
+            shards.append((fqn, parse_shard_record(s, f"{_where(rank, name)}.shards[{i}]", name=fqn, ndim=len(t.shape),
                                              shape=t.shape, isz=t.itemsize, files={name: rec})))
         return cls(name=name, record=rec, shards=tuple(shards))
 

@@ -32,14 +32,8 @@ import xxhash
 
 from shardfmt.errors import ShardfmtError, StateDictError
 from shardfmt.format import hashing
-from shardfmt.format.manifest import (
-    Manifest,
-    TensorRecord,
-    Topology,
-    ValueRecord,
-    check_step,
-    rank_file_name,
-)
+from shardfmt.format.manifest import Manifest, TensorRecord, Topology, ValueRecord, rank_file_name
+from shardfmt.format.parse import check_step
 from shardfmt.format.tensor_bytes import byte_pieces
 from shardfmt.io.registry import get_storage
 from shardfmt.layout.topology import Mesh, TopologyError

@@ -33,9 +33,9 @@ from shardfmt.format.manifest import (
     Topology,
     ValueRecord,
     ViewRecord,
-    check_step,
     rank_file_name,
 )
+from shardfmt.format.parse import check_step
 from shardfmt.io.registry import get_storage
 from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box

@@ -57,7 +57,8 @@ from reseal import recommit, reseal
 import shardfmt
 from shardfmt import ShardedTensor
 from shardfmt.errors import IntegrityError, ShardfmtError
-from shardfmt.format.manifest import MANIFEST_NAME, parse_manifest
+from shardfmt.format.manifest import MANIFEST_NAME
+from shardfmt.format.parse import parse_manifest
 from shardfmt.layout.geometry import Box, intersect, row_major_strides
 from shardfmt.saving.writer import CheckpointWriter, ShardData
 
@@ -273,7 +274,7 @@ class _PeakRss:
 # ----------------------------------------------------------------------------- layers reached and re-sealing
 
 LAYERS = {  # what a mutant got past the digests to reach: (module, function) instrumented
-    "field parser": [("shardfmt.format.manifest", "_manifest_fields")],
+    "field parser": [("shardfmt.format.parse", "_manifest_fields")],
     "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation", "decode_header")],
     "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation", "tiling_problems")],
     "typed-JSON decoding": [("shardfmt.format.jsonvalue", "decode")],
