@@ -28,15 +28,8 @@ from shardfmt.errors import (
 )
 from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.jsonscan import Lazy
-from shardfmt.format.manifest import (
-    COMMITTED_NAME,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Manifest,
-    load_json,
-    manifest_from_obj,
-    migrate,
-)
+from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest
+from shardfmt.format.parse import load_json, manifest_from_obj, migrate
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
 from shardfmt.io.registry import get_storage
 from shardfmt.io.storage import Storage

@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("io", ("shardfmt.io",)),
     ("commit", ("shardfmt.commit",)),
     ("save/load", ("shardfmt.saving", "shardfmt.loading")),
-    ("api", ("shardfmt.api", "shardfmt.validation")),
+    ("api", ("shardfmt.api", "shardfmt.validation", "shardfmt.dcp")),  # dcp: the DCP storage backend's home
     ("training", ("shardfmt.training",)),
     ("cli", ("shardfmt", "shardfmt.cli", "shardfmt.demo")),
     ("reshard", ("reshard",)),

@@ -48,8 +48,8 @@ from shardfmt.format.manifest import (
     QUARANTINED_NAME,
     CommitRecord,
     Manifest,
-    parse_commit,
 )
+from shardfmt.format.parse import parse_commit
 from shardfmt.io.fsspec import lease_identity, lease_owner, read_lease
 from shardfmt.io.storage import Storage
 

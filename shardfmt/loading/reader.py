@@ -30,9 +30,8 @@ from shardfmt.format.manifest import (
     CommitRecord,
     Manifest,
     ShardRecord,
-    parse_commit,
-    parse_manifest,
 )
+from shardfmt.format.parse import parse_commit, parse_manifest
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
 from shardfmt.io.registry import get_storage
 from shardfmt.io.storage import Storage

@@ -55,9 +55,12 @@ from hypothesis.control import currently_in_test_context
 from reseal import recommit, reseal
 
 import shardfmt
-from shardfmt import CheckpointWriter, IntegrityError, ShardData, ShardedTensor, ShardfmtError
-from shardfmt.format.manifest import MANIFEST_NAME, parse_manifest
+from shardfmt import ShardedTensor
+from shardfmt.errors import IntegrityError, ShardfmtError
+from shardfmt.format.manifest import MANIFEST_NAME
+from shardfmt.format.parse import parse_manifest
 from shardfmt.layout.geometry import Box, intersect, row_major_strides
+from shardfmt.saving.writer import CheckpointWriter, ShardData
 
 CHUNK_SIZE = 4096
 FILES = ("data/rank_00000.safetensors", "data/rank_00001.safetensors")
@@ -271,7 +274,7 @@ class _PeakRss:
 # ----------------------------------------------------------------------------- layers reached and re-sealing
 
 LAYERS = {  # what a mutant got past the digests to reach: (module, function) instrumented
-    "field parser": [("shardfmt.format.manifest", "_manifest_fields")],
+    "field parser": [("shardfmt.format.parse", "_manifest_fields")],
     "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation", "decode_header")],
     "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation", "tiling_problems")],
     "typed-JSON decoding": [("shardfmt.format.jsonvalue", "decode")],
