@@ -231,10 +231,10 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     pieces, units = pieces_of(files)
     dst_storage, dst_path = get_storage(dst, storage_options)
     if max_open_files is None:
-        max_open_files = 1 if getattr(dst_storage, "object_store", False) else DEFAULT_MAX_OPEN_FILES
+        max_open_files = 1 if dst_storage.remote else DEFAULT_MAX_OPEN_FILES
     data_budget = fit_uploads(dst_storage, memory_budget) if max_open_files == 1 else memory_budget
     mem = memory_plan(data_budget, chunk_size=m.chunk_size, verify=source.verify,
-                      workers=min(4, getattr(source.storage, "read_concurrency", 4)))
+                      workers=min(4, source.storage.read_concurrency))
     groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
     shapes = {name: m.tensor(name).shape for name in dtypes}
     plans = []
@@ -394,9 +394,10 @@ def refuse_overlap(storage: Storage, path: str, dst: str, storage_options: dict 
 def _location(storage: Storage, path: str) -> tuple[str, ...]:
     """Where ``path`` is, as comparable parts: ("file", resolved local path parts...) or
     (protocol, bucket, key parts...)."""
-    if getattr(storage, "protocol", "file") in ("file", "local"):  # LocalStorage, fsspec's local filesystem
+    url = storage.url(path)
+    if "://" not in url:  # LocalStorage, fsspec's local filesystem: a path, not a URL
         return ("file", *PurePath(os.path.realpath(path)).parts)
-    protocol, _, rest = storage.url(path).partition("://")
+    protocol, _, rest = url.partition("://")
     return (protocol, *(p for p in rest.split("/") if p))
 
 

@@ -62,6 +62,7 @@ from reshard.stream import (
     verify_headers,
     window_capacity,
 )
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -237,7 +238,7 @@ def export_hf(
 
     source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
     mem = memory_plan(fit_uploads(dst_storage, budget), chunk_size=m.chunk_size, verify=verify,
-                      workers=min(4, getattr(ckpt.storage, "read_concurrency", 4)))
+                      workers=min(4, ckpt.storage.read_concurrency))
     buffers = None
     omitted: list[tuple[str, str]] = []
     tie = bool(cfg and cfg.get("tie_word_embeddings") is True)
@@ -432,7 +433,7 @@ def _check_destination(storage: Storage, path: str, overwrite: bool) -> None:
 
 def _stage(storage: Storage, path: str) -> str:
     """Where files are written before they are published (the destination on object stores)."""
-    if getattr(storage, "object_store", False) or not getattr(storage, "atomic_rename", True):
+    if commit_strategy(storage).in_place:
         if storage.exists(path):
             storage.remove_tree(path)
         storage.makedirs(path)

@@ -44,6 +44,7 @@ from shardfmt.errors import PlanError, ShardfmtError
 from shardfmt.format.dtypes import torch_dtype
 from shardfmt.format.manifest import Manifest
 from shardfmt.format.tensor_bytes import byte_pieces, byte_view
+from shardfmt.io.fsspec import FsspecStorage
 from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box, box_spans, intersect, is_run, row_major_strides
 from shardfmt.loading.executor import DEFAULT_WORKERS, Executor
@@ -168,7 +169,7 @@ def fit_uploads(storage, budget: int) -> int:
     flight (measured). For one file open at a time, parts shrink to ``budget / 16`` (at least
     S3's 5 MiB) and at most ``budget / 8`` of parts are in flight; local disk needs nothing.
     """
-    if not getattr(storage, "multipart", False):
+    if not (isinstance(storage, FsspecStorage) and storage.multipart):
         return budget
     part = max(5 << 20, min(storage.part_size, budget // 16))
     conc = max(1, min(storage.write_concurrency, budget // 8 // part))

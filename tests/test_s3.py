@@ -189,14 +189,14 @@ def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
 def _torn_save_script(root: str) -> str:
     return textwrap.dedent(f"""
         import os, signal, torch, shardfmt
-        import shardfmt.io.fsspec as O
+        import shardfmt.io.multipart as O
         ck = shardfmt.Checkpointer("{root}", storage_options={{"part_size": 5 << 20}})
         ck.save(1, {{"m": torch.nn.Linear(4, 4)}})
-        orig = O._MultipartWriter._upload
+        orig = O.MultipartWriter._upload
         def die_after_first_part(self, number, body, fill):
             orig(self, number, body, fill)
             os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-upload
-        O._MultipartWriter._upload = die_after_first_part
+        O.MultipartWriter._upload = die_after_first_part
         big = torch.nn.Linear(2048, 2048)  # 16 MiB: several parts
         ck.save(2, {{"m": big}})
     """)
@@ -232,7 +232,7 @@ def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server,
     fs = _fs(server)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from shardfmt.io.fsspec import lease_identity
+    from shardfmt.commit.lease import lease_identity
 
     me = lease_identity()
     for name, holder in (("live", dict(me, host="another-node", pid=1)),
@@ -333,10 +333,10 @@ def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
                             CommitRecord(save_id="other", manifest_digest="x").to_json(), exclusive=True)
     assert C.is_committed(storage, path) and shardfmt.validate(url).ok
     # two saves starting together: the LEASE is taken only if absent, so one of them stops at once
-    fresh = storage.join(path + "-b")
-    storage.take_lease(fresh)
+    fresh, marker = storage.join(path + "-b"), C.commit_strategy(storage)
+    marker.take_lease(fresh, "")
     with pytest.raises(CheckpointExistsError, match="at the same time"):
-        storage.take_lease(fresh)
+        marker.take_lease(fresh, "")
 
 
 def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
@@ -407,7 +407,7 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     a third save cannot start beside the live one."""
     import time
 
-    from shardfmt.io.fsspec import lease_owner
+    from shardfmt.commit.lease import lease_owner
     from shardfmt.io.registry import get_storage
     from shardfmt.saving.writer import CheckpointWriter, ShardData
 
@@ -598,7 +598,7 @@ def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(se
 
 
 def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):
-    import shardfmt.io.fsspec as O
+    import shardfmt.io.ranged as O
 
     root = f"{bucket}/flaky-restore"
     ck = shardfmt.Checkpointer(root)
@@ -608,7 +608,7 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
     def throttled(self, offset, buffers):
         raise StorageError(f"{self._st.url(self._path)}: read failed: SlowDown (503)")
 
-    monkeypatch.setattr(O._Reader, "readinto", throttled)
+    monkeypatch.setattr(O.RangedReader, "readinto", throttled)
     with pytest.raises(StorageError, match="nothing was quarantined"):
         ck.restore({"m": torch.nn.Linear(4, 4)})
     monkeypatch.undo()

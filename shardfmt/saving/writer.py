@@ -14,7 +14,6 @@ import datetime as _dt
 import math
 import os
 import platform
-import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -477,37 +476,7 @@ class _TensorMeta:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
-class _Lease:
-    """Keep a save's lease fresh while it runs, so collectors leave it alone.
-
-    Local disk: the staging dir's mtime. Object stores: the ``LEASE`` object under the
-    checkpoint's prefix (``storage.touch``); ``stop`` joins the heartbeat and removes it.
-    """
-
-    def __init__(self, storage: Storage, path: str, lease_seconds: float, owner: str = "") -> None:
-        self._storage = storage
-        self._path = path
-        self._stop = threading.Event()
-        self.lost = False  # the lease was gone or another save's at a heartbeat: never commit then
-        # at least every 30 s whatever this save's lease: a collector of another job on the same
-        # root judges it by its own lease (the defaults are 120 s and more), not by this one's
-        self.interval = interval = max(0.5, min(lease_seconds, 120.0) / 4)
-
-        def beat() -> None:
-            while not self._stop.wait(interval):
-                if storage.touch(path, owner) is False:
-                    self.lost = True
-                    return
-
-        self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
-        self._thread.start()
-
-    def stop(self, *, release: bool = False) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        if release:
-            self._storage.drop_lease(self._path)
+_Lease = _commit.Heartbeat  # a save's lease, kept fresh while it writes (commit.protocol)
 
 
 class CheckpointWriter:
@@ -572,7 +541,7 @@ class CheckpointWriter:
         lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
         self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
                                        lease_seconds=lease_seconds)
-        self.name_tag = None if storage.atomic_rename else self.save_id  # data file names (rank_file_name)
+        self.name_tag = self.save_id if _commit.commit_strategy(storage).in_place else None  # rank_file_name
         self._lease = _Lease(storage, self.staging, lease_seconds, self.save_id)
 
     # -- 2) data files

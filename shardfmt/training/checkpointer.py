@@ -47,7 +47,7 @@ import torch
 
 from shardfmt.api import load, save
 from shardfmt.commit.names import parse_step_dir, quarantine_dir_name, step_dir_name
-from shardfmt.commit.protocol import is_committed
+from shardfmt.commit.protocol import commit_strategy, is_committed
 from shardfmt.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
@@ -56,7 +56,6 @@ from shardfmt.errors import (
     StorageError,
 )
 from shardfmt.format import hashing, jsonvalue
-from shardfmt.format.manifest import QUARANTINED_NAME
 from shardfmt.io.registry import get_storage
 from shardfmt.layout.state import IfSaved, PerRank
 from shardfmt.loading.reader import open_checkpoint
@@ -254,8 +253,7 @@ class Checkpointer:
             self._check_root()
         self.storage.makedirs(self.root)
         url = self.storage.url(path)
-        if (not self.storage.atomic_rename and self._rank() == 0
-                and self.storage.exists(self.storage.join(path, QUARANTINED_NAME))):
+        if self._rank() == 0 and commit_strategy(self.storage).marked_quarantined(path):
             # object stores quarantine in place (no rename): a new save of the step replaces it
             warnings.warn(f"{url}: replacing the quarantined checkpoint of step {step}", stacklevel=2)
             self.storage.remove_tree(path)
@@ -324,7 +322,7 @@ class Checkpointer:
                           f"retrying): {e}", stacklevel=2)
 
         try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again;
-            if self.archive_storage.atomic_rename:  # object stores: prepare() clears dst's dead leftover
+            if not commit_strategy(self.archive_storage).in_place:  # in place: prepare() clears dst's dead leftover
                 collect_garbage(self.archive_storage, self.archive_root)
         except _FAILURES as e:
             warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",
@@ -449,10 +447,7 @@ class Checkpointer:
 
         dest = quarantine_dir_name(path, uuid.uuid4().hex[:8])
         try:
-            if self.storage.atomic_rename:
-                self.storage.rename(path, dest)
-            else:
-                self.storage.write_bytes(self.storage.join(path, QUARANTINED_NAME), reason.encode())
+            commit_strategy(self.storage).quarantine(path, dest, reason)
         except ShardfmtError as e:
             warnings.warn(f"could not quarantine {path}: {e}", stacklevel=3)
 
@@ -540,7 +535,7 @@ class Checkpointer:
         if kind == "orphan":
             url, parent = self.storage.url(self.root), root_parent(self.storage, self.root)
             msg = (f"{url}: the Checkpointer root does not exist, nor does "
-                   f"{'its bucket' if self.storage.object_store else 'its parent'} {parent} (a misspelled path?)")
+                   f"{'its bucket' if self.storage.remote else 'its parent'} {parent} (a misspelled path?)")
             if not self.allow_fresh_start:
                 raise CheckpointNotFoundError(f"{msg}: create {parent}, or pass allow_fresh_start=True to "
                                               "start from scratch there")
@@ -563,7 +558,7 @@ class Checkpointer:
                     "type": "StorageError"}
         if kind == "new":
             log.info("%s: no Checkpointer root there yet (its %s exists): a first run", self.storage.url(self.root),
-                     "bucket" if self.storage.object_store else "parent")
+                     "bucket" if self.storage.remote else "parent")
         out, seen_any = [], False
         tiers = [("root", self.storage, self.root)] if kind == "root" else []
         if self.archive_storage is not None:
