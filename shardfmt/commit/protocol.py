@@ -4,7 +4,7 @@
 (staging dir + atomic rename/exchange), ``MarkerCommit`` on every fsspec store (in place,
 LEASE first, COMMITTED last); ``commit.strategy`` describes the interface and its call order.
 The functions below are that interface for callers holding a store: ``prepare``, ``publish``,
-``abort`` / ``abort_own``, ``is_committed``, ``committed_aside``; ``Heartbeat`` keeps a save's
+``abort`` / ``abort_own``, ``is_committed``; ``Heartbeat`` keeps a save's
 lease fresh on a thread while it writes.
 """
 
@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import threading
 
-from shardfmt.commit.marker import MarkerCommit, is_save_leftover
-from shardfmt.commit.rename import RenameCommit, aside_path, staging_path
-from shardfmt.commit.strategy import STEPS, CommitStrategy, StepHook, is_data_file
+from shardfmt.commit.marker import MarkerCommit
+from shardfmt.commit.rename import RenameCommit
+from shardfmt.commit.strategy import STEPS, CommitStrategy, StepHook
 from shardfmt.errors import ShardfmtError
 from shardfmt.format.manifest import CommitRecord, Manifest
 from shardfmt.io.fsspec import FsspecStorage
 from shardfmt.io.local import LocalStorage
 from shardfmt.io.store import ByteStore
 
-__all__ = ["STEPS", "CommitStrategy", "Heartbeat", "StepHook", "abort", "abort_own", "aside_path",
-           "commit_strategy", "committed_aside", "is_committed", "is_data_file", "is_save_leftover", "prepare",
-           "publish", "staging_path"]
+__all__ = ["STEPS", "CommitStrategy", "Heartbeat", "StepHook", "abort", "abort_own", "commit_strategy",
+           "is_committed", "prepare", "publish"]
 
 
 def commit_strategy(storage: ByteStore) -> CommitStrategy:
@@ -64,12 +63,6 @@ def abort_own(storage: ByteStore, path: str, save_id: str) -> None:
 
 def is_committed(storage: ByteStore, path: str) -> bool:
     return commit_strategy(storage).is_committed(path)
-
-
-def committed_aside(storage: ByteStore, path: str) -> str | None:
-    """A committed ``<path>.old-*`` left by a rename-aside overwrite that crashed (None: none)."""
-    strategy = commit_strategy(storage)
-    return strategy.committed_aside(path) if isinstance(strategy, RenameCommit) else None
 
 
 class Heartbeat:
