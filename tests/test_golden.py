@@ -21,7 +21,7 @@ def write_golden(path: str) -> None:
     """Two ranks: a row-split matrix, a bf16 vector, a 0-d step, an alias, and values."""
     w = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 8
     norm = torch.linspace(-1, 1, 5).to(torch.bfloat16)
-    writer = shardfmt.CheckpointWriter(
+    writer = shardfmt.saving.writer.CheckpointWriter(
         path,
         save_id="0123456789abcdef",
         clock=lambda: dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc),
@@ -29,12 +29,12 @@ def write_golden(path: str) -> None:
         chunk_size=4096,
     )
     writer.write_rank(0, [
-        shardfmt.ShardData(fqn="model.w", data=w[:3], global_shape=(6, 4), offsets=(0, 0)),
-        shardfmt.ShardData(fqn="model.norm", data=norm, global_shape=(5,), offsets=(0,)),
+        shardfmt.saving.writer.ShardData(fqn="model.w", data=w[:3], global_shape=(6, 4), offsets=(0, 0)),
+        shardfmt.saving.writer.ShardData(fqn="model.norm", data=norm, global_shape=(5,), offsets=(0,)),
     ])
     writer.write_rank(1, [
-        shardfmt.ShardData(fqn="model.w", data=w[3:], global_shape=(6, 4), offsets=(3, 0)),
-        shardfmt.ShardData(fqn="optim.step", data=torch.tensor(7, dtype=torch.int64), global_shape=(), offsets=()),
+        shardfmt.saving.writer.ShardData(fqn="model.w", data=w[3:], global_shape=(6, 4), offsets=(3, 0)),
+        shardfmt.saving.writer.ShardData(fqn="optim.step", data=torch.tensor(7, dtype=torch.int64), global_shape=(), offsets=()),
     ])
     writer.add_alias("model.head", "model.w")
     writer.add_value("optim.param_groups", [{"lr": 0.001, "betas": (0.9, 0.999), "params": ["model.w"]}])

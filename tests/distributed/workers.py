@@ -195,7 +195,7 @@ def faulty_save(rank, world, args):
     t0 = time.monotonic()
     try:
         shardfmt.save(state, args["path"], timeout=dt.timedelta(seconds=args.get("timeout", 20)))
-    except shardfmt.ShardfmtError as e:
+    except shardfmt.errors.ShardfmtError as e:
         return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
     return {"raised": None, "seconds": time.monotonic() - t0}
 
@@ -213,7 +213,7 @@ def save_errors(rank, world, args):
         try:
             shardfmt.save(state, os.path.join(args["root"], label), timeout=td, **kw)
             out[label] = None
-        except shardfmt.ShardfmtError as e:
+        except shardfmt.errors.ShardfmtError as e:
             out[label] = [type(e).__name__, str(e)]
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -253,7 +253,7 @@ def save_disagree(rank, world, args):
             try:
                 run()
                 raised = None
-            except shardfmt.ShardfmtError as e:
+            except shardfmt.errors.ShardfmtError as e:
                 raised = [type(e).__name__, str(e)]
         out[label] = {"raised": raised, "warnings": [str(w.message) for w in caught]}
 
@@ -454,7 +454,7 @@ def async_snapshot_fails_on_one_rank(rank, world, args):
     try:
         h.wait()
         outcome = "committed"
-    except shardfmt.StateDictError as e:
+    except shardfmt.errors.StateDictError as e:
         outcome = str(e)
     return {"outcome": outcome, "seconds": time.monotonic() - t0}
 
