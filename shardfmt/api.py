@@ -281,10 +281,10 @@ def load(
         | _sharing_memory([dsts[t.index] for t in targets], [t.index for t in targets])
     if max_gap is None:
         max_gap = ckpt.storage.max_gap  # larger where a request costs a round trip (object stores)
-    workers = max(workers, min(ckpt.storage.read_concurrency, 16)) if ckpt.storage.object_store else workers
+    workers = max(workers, min(ckpt.storage.read_concurrency, 16)) if ckpt.storage.remote else workers
     plan = plan_load(m, targets, verify=verify, max_gap=max_gap, max_read=max_read, bounce=bounce,
                      max_bounce_read=_bounce_read_size(targets, dsts, m.chunk_size, workers=workers,
-                                                       object_store=ckpt.storage.object_store))
+                                                       object_store=ckpt.storage.remote))
     _allocate_view_buffers(ckpt, plan, targets, dsts)
     before = ckpt.storage.stats.snapshot()
     if verify:

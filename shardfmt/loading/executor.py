@@ -27,7 +27,7 @@ from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
 from shardfmt.io import aligned
 from shardfmt.io.aligned import DIRECT_ALIGN, address
-from shardfmt.io.storage import FileReader, Storage
+from shardfmt.io.store import FileReader, Storage
 from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
 
 DEFAULT_WORKERS = 4
@@ -60,7 +60,7 @@ class _Readers:
                 # Object stores: trust the manifest's size (a HEAD per file saved); a short
                 # file then fails its ranged read, a changed one its chunk hashes.
                 r = self._storage.open_reader(self._storage.join(self._root, name),
-                                              size=want if self._storage.object_store else None,
+                                              size=want if self._storage.remote else None,
                                               within=self._within)
                 if r.size != want:
                     r.close()
@@ -236,7 +236,7 @@ class Executor:
     def _around_cache(self, read: PhysicalRead) -> bool:
         """Whether ``read`` may go around the page cache: large, on local storage, landing
         straight in targets only this process reads, with few bytes of gap between them."""
-        if self.storage.object_store or read.byte_range.length < DIRECT_MIN_READ:
+        if self.storage.remote or read.byte_range.length < DIRECT_MIN_READ:
             return False
         if any(it.target not in self.sole for it in read.items):
             return False
@@ -295,7 +295,7 @@ class Executor:
             if around:
                 _read_direct(reader, read, segments, hasher)
                 segments = []
-            if self.storage.object_store:  # a request is a round trip: one GET for the whole read
+            if self.storage.remote:  # a request is a round trip: one GET for the whole read
                 reader.readinto(pos, segments)
                 if hasher is not None:
                     for seg in segments:
