@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="processes of the phases that use the scenario's ranks")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     p.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True, help="durable saves (default on)")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds every rank idles before each measured call, so each starts from the same memory "
+                        "state (a VM that hands freed memory back to its host slows the next call's first touches)")
     p.add_argument("--spread", choices=SPREADS, default="iqr", help="the spread verdicts are judged on (default iqr)")
     p.add_argument("--json", default=None, help="write the report and every record here")
     p.add_argument("--dir", default=None, help="scratch parent directory (default: the temp dir, unless tmpfs)")
@@ -74,7 +77,8 @@ def main(argv=None) -> int:
                   "run on a machine with a GPU or use --device cpu", file=sys.stderr)
             return 2
     size = a.size_mib or (sc.state.quick_mib if a.quick else sc.state.size_mib)
-    opts = Options(size_mib=size, rounds=rounds, warmup=warmup, device=a.device, fsync=a.fsync, ranks=a.ranks)
+    opts = Options(size_mib=size, rounds=rounds, warmup=warmup, device=a.device, fsync=a.fsync, ranks=a.ranks,
+                   settle=a.settle)
     return driver.run(sc, opts, json_out=a.json, scratch_dir=a.dir, spread=a.spread, timeout=a.job_timeout)
 
 

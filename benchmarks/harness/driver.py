@@ -56,7 +56,7 @@ def _meta(sc: Scenario, opts: Options, specs, scratch: str, env_rec: dict | None
             "commit": git_commit(), "argv": sys.argv[1:], "size_mib": opts.size_mib,
             "state_bytes": states.spec_bytes(specs), "tensors": len(specs), "ranks": opts.ranks or sc.ranks,
             "rounds": opts.rounds, "warmup": opts.warmup, "device": opts.device, "device_name": dev,
-            "fsync": opts.fsync, "scratch_fs": probes.fs_type(scratch), "cpus": os.cpu_count(),
+            "fsync": opts.fsync, "settle": opts.settle, "scratch_fs": probes.fs_type(scratch), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__, "shardfmt": shardfmt.__version__}
 
 
@@ -70,7 +70,7 @@ def _run_jobs(sc: Scenario, opts: Options, scratch: str, timeout: float) -> list
     base = os.path.join(scratch, "ckpt")
     os.makedirs(base)
     common = {"scenario": sc.name, "size_mib": opts.size_mib, "device": opts.device, "fsync": opts.fsync,
-              "base": base, "pg_timeout": max(900.0, timeout / 2)}
+              "settle": opts.settle, "base": base, "pg_timeout": max(900.0, timeout / 2)}
     server = None
     if any(candidates.get(n).storage == "s3" for p in sc.phases for n in p.candidates):
         from .s3 import Server

@@ -26,6 +26,7 @@ class Options:
     device: str = "cpu"
     fsync: bool = True
     ranks: int | None = None     # overrides the scenario's ranks (phases without a world of their own)
+    settle: float = 0.0          # seconds every rank idles before each measured call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

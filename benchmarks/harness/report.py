@@ -100,11 +100,11 @@ def _async_line(r: dict) -> str | None:
 
 
 def _verdict_line(v: dict) -> str:
-    flag = {"pass": "PASS", "fail": "FAIL"}.get(v["verdict"], "----" if v["verdict"] == "n/a" else "OVERLAP")
+    flag = {"pass": "PASS", "fail": "FAIL", "n/a": "----"}.get(v["verdict"], v["verdict"].split(":")[0].upper())
     if v["value"] is None:
-        return f"  {flag:<8}{v['target']}  ({v['note']})"
+        return f"  {flag:<16}{v['target']}  ({v['note']})"
     paired = " ".join(f"{x:.2f}" for x in v["paired"])
-    return (f"  {flag:<8}{v['target']}: {v['value']:.3f} (interval {v['lo']:.3f}..{v['hi']:.3f}, needs "
+    return (f"  {flag:<16}{v['target']}: {v['value']:.3f} (interval {v['lo']:.3f}..{v['hi']:.3f}, needs "
             f"{v['op']} {v['bound']:g}; per round {paired})")
 
 

@@ -7,7 +7,8 @@ interquartile range over the judged rounds (``spread="iqr"``, the default: one o
 round does not decide) or its whole range (``spread="range"``). The interval of ``R`` is
 ``[num.lo / den.hi, num.hi / den.lo]``; a target ``R >= k`` passes when the whole interval
 is >= k, fails when it is wholly < k, and otherwise gets no verdict ("overlap"). The
-median ratio is reported beside it, and the per-round (paired) ratios too.
+median ratio is reported beside it, and the per-round (paired) ratios too. Under
+``MIN_ROUNDS`` judged rounds no verdict is given (two values have no spread to speak of).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from .model import Expr, Ref, Target
 
 SPREADS = ("iqr", "range")
-PASS, FAIL, OVERLAP = "pass", "fail", "overlap: no verdict"
+PASS, FAIL, OVERLAP, FEW = "pass", "fail", "overlap: no verdict", "too few rounds: no verdict"
+MIN_ROUNDS = 3  # fewer judged rounds than this give no spread worth a verdict
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,5 +125,7 @@ def judge(target: Target, spreads: Mapping[Ref, Spread], per_round: Mapping[Ref,
         return Verdict(title=target.title, op=target.op, bound=target.bound, value=None, lo=None, hi=None,
                        verdict="n/a", note="the denominator is not positive")
     lo, hi = nlo / dhi, nhi / dlo
+    few = min(spreads[r].n for r in target.refs()) < MIN_ROUNDS if target.refs() else False
     return Verdict(title=target.title, op=target.op, bound=target.bound, value=nmed / dmed, lo=lo, hi=hi,
-                   verdict=decide(target.op, target.bound, lo, hi), paired=_paired(target, per_round or {}))
+                   verdict=FEW if few else decide(target.op, target.bound, lo, hi),
+                   paired=_paired(target, per_round or {}))

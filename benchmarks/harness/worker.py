@@ -4,7 +4,7 @@
 phases, each as its planned steps ``(round, candidate)`` (rotation and rounds come from
 ``plan.schedule``); 3) write ``rank_<r>.json`` (records, or the error) and exit 0 or 1.
 
-A measured call: gc + malloc_trim, device sync, barrier (rank 0 resets the S3 server's
+A measured call: gc + malloc_trim, device sync, ``--settle`` seconds idle, barrier (rank 0 resets the S3 server's
 counters between two barriers), the call, device sync (``local``: this rank's time), a
 barrier (``seconds``: barrier to barrier). Loads start from NaN targets and a cold page
 cache (every rank fsyncs and drops every file of the checkpoint first) or a warm one, and
@@ -94,6 +94,7 @@ class Runner:
         gc.collect()
         probes.malloc_trim()
         e.sync()
+        time.sleep(self.job["settle"])
         self.barrier()
         if s3:
             from . import s3 as s3srv
