@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -42,19 +43,44 @@ class Candidate:
     layouts: tuple[str, ...] = LAYOUTS      # load: the target layouts it can fill
     same_world: bool = False                # load: only on the world that saved
     exact_check: bool = True                # load: the targets are checked against the formula
+    after: Callable[[Call], dict] | None = None  # untimed, after the call: more metrics of the same call
 
 
-def _internals():
-    """The shardfmt internals the benchmarks use (re-point here when modules move)."""
+def _internals() -> SimpleNamespace:
+    """The shardfmt/reshard internals the benchmarks use (re-point here when modules move)."""
+    from reshard import Box, TargetSlice, plan_load  # the pure load planner
     from shardfmt.objstore import S3_PART_SIZE, S3_WRITE_CONCURRENCY
 
-    return {"S3_PART_SIZE": S3_PART_SIZE, "S3_WRITE_CONCURRENCY": S3_WRITE_CONCURRENCY}
+    return SimpleNamespace(Box=Box, TargetSlice=TargetSlice, plan_load=plan_load, S3_PART_SIZE=S3_PART_SIZE,
+                           S3_WRITE_CONCURRENCY=S3_WRITE_CONCURRENCY)
 
 
 def s3_upload_bound() -> int:
     """Bytes an S3 upload of one rank may hold: 2 x part size x parts in flight."""
     i = _internals()
-    return 2 * i["S3_PART_SIZE"] * i["S3_WRITE_CONCURRENCY"]
+    return 2 * i.S3_PART_SIZE * i.S3_WRITE_CONCURRENCY
+
+
+def chunk_needed(c: Call) -> dict:
+    """The bytes this rank's targets need, rounded out to whole hash chunks: the least a verified read reads."""
+    key = ("needed_chunks", c.phase, c.src)
+    if key not in c.env.cache:
+        import shardfmt
+
+        i = _internals()
+        m = shardfmt.open_checkpoint(c.src).manifest
+        targets = [i.TargetSlice(index=k, fqn=s.fqn, box=i.Box(b.offsets, b.lengths))
+                   for k, (s, b) in enumerate(zip(c.built.specs, c.built.boxes))]
+        plan = i.plan_load(m, targets, verify=False, max_gap=0)
+        chunks: dict[str, set[int]] = {}
+        for r in plan.reads:
+            for it in r.items:
+                if it.src_end > it.src_start:
+                    k0, k1 = it.src_start // m.chunk_size, (it.src_end - 1) // m.chunk_size
+                    chunks.setdefault(r.file, set()).update(range(k0, k1 + 1))
+        c.env.cache[key] = {"needed_chunks": sum(min((k + 1) * m.chunk_size, m.files[f].size) - k * m.chunk_size
+                                                 for f, ks in chunks.items() for k in ks)}
+    return c.env.cache[key]
 
 
 # ----------------------------------------------------------------------------- shardfmt
@@ -303,7 +329,7 @@ def _all() -> list[Candidate]:
         Candidate(name="floor.read", kind=L, run=floor_read, reads="floor.write", exact_check=False),
         Candidate(name="raw.read", kind=L, run=lambda c: floor_read(c, hashed=False), reads="raw.write",
                   exact_check=False),
-        Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save"),
+        Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save", after=chunk_needed),
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),
         Candidate(name="dcp.load", kind=L, run=dcp_load, reads="dcp.save"),
         Candidate(name="dcp.load@s3", kind=L, run=dcp_load, reads="dcp.save@s3", storage="s3"),

@@ -36,12 +36,14 @@ def scratch_parent() -> str:
 
 
 def git_commit() -> str:
+    """The last commit that changed shardfmt/ or reshard/ (the code measured), '+dirty' if they changed since."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=probes.ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=probes.ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "shardfmt", "reshard"], cwd=probes.ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
+        dirty = git("status", "--porcelain", "--", "shardfmt", "reshard")
+        return git("log", "-1", "--format=%h", "--", "shardfmt", "reshard") + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "?"
 
@@ -63,7 +65,7 @@ def _meta(sc: Scenario, opts: Options, specs, scratch: str, env_rec: dict | None
 def _headline(m: dict) -> str:
     return (f"{m['scenario']}: {m['state_bytes'] / 1e9:.3f} GB in {m['tensors']} tensors, {m['ranks']} rank(s) on "
             f"{m['device']} ({m['device_name']}, {m['cpus']} CPUs), fsync {'on' if m['fsync'] else 'off'}, scratch "
-            f"{m['scratch_fs']}; {m['date']}, commit {m['commit']}, torch {m['torch']}")
+            f"{m['scratch_fs']}; {m['date']}, shardfmt/reshard of commit {m['commit']}, torch {m['torch']}")
 
 
 def _run_jobs(sc: Scenario, opts: Options, scratch: str, timeout: float) -> list[dict]:

@@ -14,7 +14,7 @@ from .model import Ref, Scenario
 from .verdict import Spread, judge, summarize
 
 SUMMED = frozenset({"bytes", "bytes_read", "bytes_needed", "read_requests", "rchar", "wchar", "read_bytes",
-                    "write_bytes", "server_requests", "server_bytes", "source_bytes"})
+                    "write_bytes", "server_requests", "server_bytes", "source_bytes", "needed_chunks"})
 NOT_METRICS = frozenset({"kind", "phase", "candidate", "round", "rank"})
 FLOORS = ("floor.write", "floor.read", "copy")
 PRIMARY = {"memcpy": "local"}  # the memcpy bound: the slowest rank's own copy time, no barrier latency

@@ -203,8 +203,12 @@ class Runner:
             call = Call(env=self.env, phase=phase.name, layout=phase.layout, built=targets, path=src, src=src,
                         src_world=ph["src_world"][name])
             rec = self.measure(phase.name, rnd, cand, call, nbytes=targets.nbytes)
-            if rec is not None and self._checkable(cand, phase, ph, name):
+            if rec is None:
+                continue
+            if self._checkable(cand, phase, ph, name):
                 states.check(targets, f"{phase.name} {name} round {rnd}")
+            if cand.after is not None:
+                rec.update(cand.after(call))
 
     def _checkable(self, cand, phase, ph: dict, name: str) -> bool:
         if cand.exact_check:
