@@ -3,8 +3,9 @@
 Each ``Candidate`` is ``run(call) -> metrics`` plus what the harness must know around it:
 its phase ``kind``, the save candidate a load ``reads``, the load that checks a save's
 output (``check_with``, after its first run), whether the harness makes its output
-directory, and the load layouts it can fill. This is the only module that imports shardfmt,
-reshard or DCP; the shardfmt *internals* it needs are imported in ``_internals`` below.
+directory, and the load layouts it can fill. This is the only module that calls shardfmt,
+reshard or DCP (``states`` builds ``shardfmt.ShardedTensor`` targets; the driver reads
+``shardfmt.__version__``), and the internals it needs are imported in ``_internals`` only.
 
 Saves write ``call.path`` (a fresh directory, or an s3:// prefix for ``@s3``); loads fill
 ``call.built`` (NaN targets) from ``call.src``; convert candidates read ``call.src`` and
