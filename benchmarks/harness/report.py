@@ -13,7 +13,7 @@ from collections import defaultdict
 from .model import Ref, Scenario
 from .verdict import Spread, judge, summarize
 
-SUMMED = frozenset({"bytes", "bytes_read", "bytes_needed", "read_requests", "rchar", "wchar", "read_bytes",
+SUMMED = frozenset({"bytes", "bytes_read", "bytes_needed", "read_requests", "rchar", "wchar", "syscr", "syscw", "read_bytes",
                     "write_bytes", "server_requests", "server_bytes", "source_bytes", "needed_chunks"})
 NOT_METRICS = frozenset({"kind", "phase", "candidate", "round", "rank"})
 FLOORS = ("floor.write", "floor.read", "copy")

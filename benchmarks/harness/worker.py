@@ -125,7 +125,7 @@ class Runner:
                "seconds": wall, "local": local, "bytes": nbytes, "rss_growth": peak - before,
                "rss_frac": (peak - before) / max(nbytes, 1),
                "cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system),
-               **{k: io1[k] - io0[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")},
+               **{k: io1[k] - io0[k] for k in ("rchar", "wchar", "syscr", "syscw", "read_bytes", "write_bytes")},
                **{k: v for k, v in out.items() if not k.startswith("_")}}
         if s3:
             from . import s3 as s3srv
@@ -205,15 +205,16 @@ class Runner:
             rec = self.measure(phase.name, rnd, cand, call, nbytes=targets.nbytes)
             if rec is None:
                 continue
-            if self._checkable(cand, phase, ph, name):
+            if self._checkable(cand, phase.name):
                 states.check(targets, f"{phase.name} {name} round {rnd}")
             if cand.after is not None:
                 rec.update(cand.after(call))
 
-    def _checkable(self, cand, phase, ph: dict, name: str) -> bool:
+    def _checkable(self, cand: candidates.Candidate, phase: str) -> bool:
+        """Whether the targets hold the saved values (a floor's idealised reshard plan does not)."""
         if cand.exact_check:
             return True
-        _, exact = self.env.cache[("floor.plan", phase.name, self.path_of(cand.reads))]
+        _, exact = self.env.cache[("floor.plan", phase, self.path_of(cand.reads))]
         return exact
 
     def run_convert(self, phase, ph: dict) -> None:
