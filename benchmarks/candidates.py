@@ -5,7 +5,12 @@ its phase ``kind``, the save candidate a load ``reads``, the load that checks a 
 output (``check_with``, after its first run), whether the harness makes its output
 directory, and the load layouts it can fill. This is the only module that calls shardfmt,
 reshard or DCP (``states`` builds ``shardfmt.ShardedTensor`` targets; the driver reads
-``shardfmt.__version__``), and the internals it needs are imported in ``_internals`` only.
+``shardfmt.__version__``), and the only one that imports anything beyond shardfmt's top-level
+API: the planner (``Box``, ``TargetSlice``, ``plan_load``) and ``open_checkpoint`` for the
+chunk-rounded need, the S3 upload constants, and the tools' modules. After issue 17's
+re-layout (main at 68adf26) they are ``shardfmt.layout.geometry.Box``,
+``shardfmt.loading.planner.{TargetSlice, plan_load}``, ``shardfmt.loading.reader.open_checkpoint``,
+``shardfmt.io.fsspec.{S3_PART_SIZE, S3_WRITE_CONCURRENCY}`` and ``reshard.hf_export.export_hf``.
 
 Saves write ``call.path`` (a fresh directory, or an s3:// prefix for ``@s3``); loads fill
 ``call.built`` (NaN targets) from ``call.src``; convert candidates read ``call.src`` and
@@ -20,9 +25,15 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
+
+import shardfmt
+from reshard import Box, TargetSlice, plan_load
+from reshard.convert import convert
+from reshard.hf import export_hf
+from shardfmt import open_checkpoint
+from shardfmt.objstore import S3_PART_SIZE, S3_WRITE_CONCURRENCY
 
 from . import floors
 from .harness.calls import Call
@@ -47,32 +58,19 @@ class Candidate:
     after: Callable[[Call], dict] | None = None  # untimed, after the call: more metrics of the same call
 
 
-def _internals() -> SimpleNamespace:
-    """The shardfmt/reshard internals the benchmarks use (re-point here when modules move)."""
-    from reshard import Box, TargetSlice, plan_load  # the pure load planner
-    from shardfmt.objstore import S3_PART_SIZE, S3_WRITE_CONCURRENCY
-
-    return SimpleNamespace(Box=Box, TargetSlice=TargetSlice, plan_load=plan_load, S3_PART_SIZE=S3_PART_SIZE,
-                           S3_WRITE_CONCURRENCY=S3_WRITE_CONCURRENCY)
-
-
 def s3_upload_bound() -> int:
     """Bytes an S3 upload of one rank may hold: 2 x part size x parts in flight."""
-    i = _internals()
-    return 2 * i.S3_PART_SIZE * i.S3_WRITE_CONCURRENCY
+    return 2 * S3_PART_SIZE * S3_WRITE_CONCURRENCY
 
 
 def chunk_needed(c: Call) -> dict:
     """The bytes this rank's targets need, rounded out to whole hash chunks: the least a verified read reads."""
     key = ("needed_chunks", c.phase, c.src)
     if key not in c.env.cache:
-        import shardfmt
-
-        i = _internals()
-        m = shardfmt.open_checkpoint(c.src).manifest
-        targets = [i.TargetSlice(index=k, fqn=s.fqn, box=i.Box(b.offsets, b.lengths))
+        m = open_checkpoint(c.src).manifest
+        targets = [TargetSlice(index=k, fqn=s.fqn, box=Box(b.offsets, b.lengths))
                    for k, (s, b) in enumerate(zip(c.built.specs, c.built.boxes))]
-        plan = i.plan_load(m, targets, verify=False, max_gap=0)
+        plan = plan_load(m, targets, verify=False, max_gap=0)
         chunks: dict[str, set[int]] = {}
         for r in plan.reads:
             for it in r.items:
@@ -88,14 +86,10 @@ def chunk_needed(c: Call) -> dict:
 
 
 def sf_save(c: Call) -> None:
-    import shardfmt
-
     shardfmt.save(c.built.state, c.path, sync=c.env.fsync, timeout=SAVE_TIMEOUT)
 
 
 def sf_async(c: Call, stage: str = "call") -> dict:
-    import shardfmt
-
     stager = c.env.cache.setdefault("shardfmt.Stager", shardfmt.Stager())
     t0 = time.perf_counter()
     h = shardfmt.async_save(c.built.state, c.path, sync=c.env.fsync, stager=stager, stage=stage)
@@ -107,8 +101,6 @@ def sf_async(c: Call, stage: str = "call") -> dict:
 
 
 def sf_load(c: Call) -> dict:
-    import shardfmt
-
     rep = shardfmt.load(c.built.state, c.src)
     return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests}
 
@@ -249,19 +241,15 @@ def copy_floor(c: Call, *, hashed: bool, overlapped: bool) -> dict:
 
 def convert_to(mesh: str, budget_mib: int) -> Callable[[Call], dict]:
     def run(c: Call) -> dict:
-        from reshard.convert import convert
-
         rep = convert(c.src, c.path, mesh, memory_budget=budget_mib << 20)
         return {"bytes_read": rep.bytes_read, "source_bytes": rep.source_bytes, "windows": rep.windows,
                 "read_x": rep.bytes_read / rep.source_bytes}
     return run
 
 
-def export_hf(budget_mib: int) -> Callable[[Call], dict]:
+def export_hf_at(budget_mib: int) -> Callable[[Call], dict]:
     def run(c: Call) -> dict:
-        from reshard.hf import export_hf as export
-
-        rep = export(c.src, c.path, memory_budget=budget_mib << 20)
+        rep = export_hf(c.src, c.path, memory_budget=budget_mib << 20)
         return {"bytes_read": rep.bytes_read, "files": len(rep.files)}
     return run
 
@@ -282,9 +270,6 @@ def dcp_to_hf(c: Call) -> None:
 
 def save_tp_pp(c: Call) -> None:
     """A one-process save converted to pp=2 x tp=2 (Megatron splits by each tensor's shard_dim)."""
-    import shardfmt
-    from reshard.convert import convert
-
     b = c.built
     shapes = {s.fqn: s.shape for s in b.specs}
     (vocab, hidden), ffn = shapes["model.embed_tokens.weight"], shapes["model.layers.0.mlp.gate_proj.weight"][0]
@@ -345,7 +330,7 @@ def _all() -> list[Candidate]:
                   reads="shardfmt.save(pp=2,tp=2)"),
         *[Candidate(name=f"convert@{b}", kind=C, run=convert_to("tp=4", b), reads="shardfmt.save(pp=2,tp=2)")
           for b in (1024, 256)],
-        Candidate(name="export-hf@256", kind=C, run=export_hf(256), reads="shardfmt.save(pp=2,tp=2)"),
+        Candidate(name="export-hf@256", kind=C, run=export_hf_at(256), reads="shardfmt.save(pp=2,tp=2)"),
         Candidate(name="dcp->hf", kind=C, run=dcp_to_hf, reads="dcp.save"),
     ]
 

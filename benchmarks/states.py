@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+import shardfmt
+
 MIB = 1 << 20
 
 
@@ -197,8 +199,6 @@ def state_dict(specs, boxes, locs, mesh) -> dict:
             out[s.fqn] = DTensor.from_local(t, mesh, [place], run_check=False, shape=torch.Size(s.shape),
                                             stride=stride)
         elif b.placement == "slice":
-            import shardfmt
-
             out[s.fqn] = shardfmt.ShardedTensor(t, s.shape, b.offsets)
         else:
             out[s.fqn] = t
