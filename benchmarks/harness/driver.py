@@ -106,8 +106,9 @@ def run(sc: Scenario, opts: Options, *, json_out: str | None, scratch_dir: str |
         records = _run_jobs(sc, opts, scratch, timeout)
     except RuntimeError as e:
         print(f"\nFAILED: {e}\n(logs kept in {os.path.join(scratch, 'logs')})", file=sys.stderr)
-        probes.remove(os.path.join(scratch, "ckpt"))
         return 2
+    finally:  # the checkpoints go whatever happens (an interrupted run too); the logs of a failed one stay
+        probes.remove(os.path.join(scratch, "ckpt"))
     meta = _meta(sc, opts, specs, scratch, next((r for r in records if r.get("kind") == "env"), None))
     shutil.rmtree(scratch, ignore_errors=True)
     meta.update(wall_s=time.perf_counter() - t0, load_avg_before=load0, load_avg_after=os.getloadavg(),
