@@ -28,22 +28,13 @@ from tests import s3_server
 from tests.conftest import bytes_equal
 from tests.distributed.harness import check_all_ok, launch
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2}}
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = s3_server.start()
-    old = {k: os.environ.get(k) for k in list(CREDS) + ["AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDS, AWS_ENDPOINT_URL=srv.endpoint)
-    yield srv
-    srv.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with s3_server.serving() as srv:
+        yield srv
 
 
 @pytest.fixture

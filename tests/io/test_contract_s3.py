@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
@@ -13,21 +12,12 @@ from tests.io.contract import ByteStoreContract, CommitContract
 
 s3fs = pytest.importorskip("s3fs")
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = s3_server.start()
-    old = {k: os.environ.get(k) for k in list(CREDS) + ["AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDS, AWS_ENDPOINT_URL=srv.endpoint)
-    yield srv
-    srv.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with s3_server.serving() as srv:
+        yield srv
 
 
 @pytest.fixture
