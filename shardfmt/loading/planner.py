@@ -320,21 +320,10 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
                     close(upto=max(outer(i)[1] for i in cur))
                     cur, nxt = [], carried + [it]
             else:
-                parts = _cut_items([it], cur_end)
-                if parts is not None:
-                    head, nxt = parts
-                    cur.extend(head)
-                    if not nxt:  # all of ``it`` lies inside the read
-                        continue
-                    # the copies after ``it`` that start inside the read are cut there too, so
-                    # every copy left starts at or after the next read's start
-                    while k < len(items) and items[k].src_start < cur_end:
-                        more = _cut_items([items[k]], cur_end)
-                        if more is None:
-                            break
-                        cur.extend(more[0])
-                        nxt.extend(more[1])
-                        k += 1
+                carried = _carry_past(items, k, cur, cur_end)
+                if carried is None:  # all of ``it`` lies inside the read
+                    continue
+                nxt, k = carried
         if cur:
             close()
         cur = nxt
@@ -344,6 +333,30 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
     if cur:
         close()
     return out
+
+
+def _carry_past(items: list[CopyItem], k: int, cur: list[CopyItem], end: int) -> tuple[list[CopyItem], int] | None:
+    """Cut ``items[k - 1]`` at ``end``, the end of the read ``cur`` is becoming: its part before
+    ``end`` joins ``cur``. Return None when all of it lies before ``end``; else the parts to carry
+    to the next read and the index of the next copy to group. The copies after it that start
+    before ``end`` are cut there too, so every copy carried starts at or after the next read's
+    start (an edge inside an element stops the cutting: that chunk is then read twice)."""
+    it = items[k - 1]
+    parts = _cut_items([it], end)
+    if parts is None:
+        return [it], k
+    head, nxt = parts
+    cur.extend(head)
+    if not nxt:
+        return None
+    while k < len(items) and items[k].src_start < end:
+        more = _cut_items([items[k]], end)
+        if more is None:
+            break
+        cur.extend(more[0])
+        nxt.extend(more[1])
+        k += 1
+    return nxt, k
 
 
 def _cut_items(items: list[CopyItem], cut: int) -> tuple[list[CopyItem], list[CopyItem]] | None:
