@@ -107,7 +107,7 @@ def job_setup(a: dict) -> list[dict]:
     layers = 1 + max(int(n.split(".layers.")[1].split(".")[0]) for n, _, _ in spec if ".layers." in n)
     g = torch.Generator().manual_seed(0)
     state = {n: torch.empty(s).uniform_(-1, 1, generator=g) for n, s, _ in spec}
-    w = shardfmt.CheckpointWriter(a["src"])
+    w = shardfmt.saving.writer.CheckpointWriter(a["src"])
     for pp in range(2):
         for tp in range(2):
             mine = []
@@ -117,13 +117,13 @@ def job_setup(a: dict) -> list[dict]:
                 t = state[n]
                 if d is None:
                     if tp == 0:  # replicated over tp: written once
-                        mine.append(shardfmt.ShardData(fqn=n, data=t, global_shape=s, offsets=(0,) * len(s),
+                        mine.append(shardfmt.saving.writer.ShardData(fqn=n, data=t, global_shape=s, offsets=(0,) * len(s),
                                                        placement=placement_record(Layout((), (), stage=pp))))
                     continue
                 k = s[d] // 2
                 offs = [0] * len(s)
                 offs[d] = tp * k
-                mine.append(shardfmt.ShardData(
+                mine.append(shardfmt.saving.writer.ShardData(
                     fqn=n, data=t.narrow(d, tp * k, k).contiguous(), global_shape=s, offsets=tuple(offs),
                     placement=placement_record(Layout(("tp",), (Shard(d),), stage=pp))))
             w.write_rank(pp * 2 + tp, mine)
@@ -239,7 +239,7 @@ def job_run(a: dict) -> list[dict]:
         rep = convert(a["src"], a["out"], a["dst_mesh"], memory_budget=a["budget"])
         extra = {"bytes_read": rep.bytes_read, "windows": rep.windows, "source_bytes": rep.source_bytes}
     elif method.startswith("export@"):
-        from reshard.hf import export_hf
+        from reshard.hf_export import export_hf
 
         rep = export_hf(a["src"], a["out"], memory_budget=a["budget"])
         extra = {"bytes_read": rep.bytes_read, "files": len(rep.files)}

@@ -196,27 +196,31 @@ def _wrap(owner, name: str, label: str) -> None:
 def install_profiler() -> None:
     import shardfmt.api as api
     import shardfmt.commit.protocol as commit
-    import shardfmt.format.manifest as man
     import shardfmt.loading.executor as ex
-    import shardfmt.saving.distributed as d
+    import shardfmt.loading.request as req
+    import shardfmt.loading.targets as tg
+    import shardfmt.saving.coordinator as coord
+    import shardfmt.saving.describe as desc
+    import shardfmt.saving.messages as msgs
+    import shardfmt.saving.protocol as proto
+    import shardfmt.saving.shard_file as sf
     import shardfmt.saving.writer as w
 
-    # save (distributed): describe -> gather -> plan -> stage -> write -> gather -> commit -> broadcast
-    _wrap(d, "describe", "save.describe")
-    _wrap(d, "all_gather_bytes", "save.all_gather_bytes")
-    _wrap(d, "broadcast_bytes", "save.broadcast_bytes")
-    _wrap(d, "assign_writers", "save.assign_writers")
-    _wrap(d, "write_shard_file", "save.write_shard_file(rank>0)")
-    _wrap(w.CheckpointWriter, "__init__", "save.stage(rank0)")
-    _wrap(w.CheckpointWriter, "write_rank", "save.write_rank(rank0)")
+    # save: describe -> agree -> gather -> plan -> stage -> write -> gather -> commit -> broadcast
+    _wrap(desc, "describe", "save.describe")
+    _wrap(coord, "all_gather_bytes", "save.all_gather_bytes")
+    _wrap(coord, "broadcast_bytes", "save.broadcast_bytes")
+    _wrap(proto, "assign_writers", "save.assign_writers")
+    _wrap(proto, "write_shard_file", "save.write_shard_file(every rank)")
+    _wrap(w.CheckpointWriter, "stage", "save.stage(rank0)")
     _wrap(w.CheckpointWriter, "build_manifest", "save.build_manifest(rank0)")
     _wrap(commit, "publish", "save.publish(rank0)")
-    _wrap(man, "parse_manifest", "save.parse_manifest")
-    _wrap(w.hashing.ChunkHasher, "update", "hash: ChunkHasher.update(sum over threads)")
+    _wrap(msgs, "parse_manifest", "save.parse_manifest")
+    _wrap(sf.hashing.ChunkHasher, "update", "hash: ChunkHasher.update(sum over threads)")
     # load: open -> flatten/targets -> plan -> headers -> execute (threads: read, verify)
     _wrap(api, "open_checkpoint", "load.open_checkpoint")
-    _wrap(api, "flatten", "load.flatten")
-    _wrap(api, "plan_load", "load.plan")
+    _wrap(req, "flatten", "load.flatten")
+    _wrap(tg, "plan_load", "load.plan")
     _wrap(api, "check_headers", "load.check_headers")
     _wrap(ex.Executor, "run", "load.execute")
     _wrap(ex.Executor, "_read", "load.exec.read(sum over threads)")

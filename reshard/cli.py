@@ -16,18 +16,25 @@ import sys
 
 import orjson
 
-from reshard.convert import convert, parse_mesh
-from reshard.dcp_import import TRUST_PICKLE_HELP, import_dcp
-from reshard.hf import export_hf, import_hf
-from reshard.stream import human
+from reshard._shardfmt import (
+    DEFAULT_MAX_GAP,
+    DEFAULT_MAX_READ,
+    Box,
+    Mesh,
+    open_checkpoint,
+    parse_storage_options,
+    plan_load,
+    targets_for_rank,
+)
+from reshard.convert import convert
+from reshard.dcp.importer import TRUST_PICKLE_HELP, import_dcp
+from reshard.dcp.plan import DEFAULT_MEMORY_BUDGET
+from reshard.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
+from reshard.hf_import import import_hf
+from reshard.parse import human, parse_mesh
+from reshard.stream.memory import DEFAULT_BUDGET
 from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from shardfmt.io.registry import parse_storage_options
-from shardfmt.layout.geometry import Box
-from shardfmt.layout.topology import Mesh
-from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, plan_load
-from shardfmt.loading.reader import open_checkpoint
-from shardfmt.loading.targets import targets_for_rank
 
 
 def cmd_plan(args) -> int:
@@ -152,9 +159,12 @@ def _opts(args):
     return parse_storage_options(getattr(args, "storage_options", None))
 
 
+_BUDGET_HELP = "tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); default 1GiB"
+
+
 def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help: str, verify: bool) -> None:
     """The flags convert, export-hf and import-hf share."""
-    p.add_argument("--memory-budget", default="1GiB", metavar="SIZE", help=budget_help)
+    p.add_argument("--memory-budget", default=DEFAULT_BUDGET, metavar="SIZE", help=budget_help)
     if verify:
         p.add_argument("--no-verify", action="store_true", help="do not check source chunk hashes while reading")
     p.add_argument("--overwrite", action="store_true", help=overwrite_help)
@@ -166,6 +176,12 @@ def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard", description="Move shardfmt checkpoints between topologies.")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_plan, _add_import_dcp, _add_convert, _add_export_hf, _add_import_hf):
+        add(sub)
+    return p
+
+
+def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print which saved bytes feed one rank of a new mesh (reads no data)")
     pl.add_argument("src")
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
@@ -177,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--storage-options", metavar="JSON")
     pl.set_defaults(func=cmd_plan)
+
+
+def _add_import_dcp(sub) -> None:
     di = sub.add_parser(
         "import-dcp", help="import a torch.distributed.checkpoint directory (.metadata + .distcp) keeping its shards",
         description="Import a torch.distributed.checkpoint directory as a shardfmt checkpoint: every saved "
@@ -191,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
     di.add_argument("--step", type=_int_at_least(0, 1 << 62),  # the manifest's range (spec section 4)
                     help="training step to record in the manifest")
-    di.add_argument("--memory-budget", type=int, default=1 << 30, metavar="BYTES",
+    di.add_argument("--memory-budget", type=int, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
                     help="tensor bytes held at once; each rank's file is split into parts of at most this "
                          "(a larger single chunk is a part of its own; default 1 GiB)")
     di.add_argument("--skip-unsupported-values", action="store_true",
@@ -200,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
     di.set_defaults(func=cmd_import_dcp)
-    budget_help = "tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); default 1GiB"
+
+
+def _add_convert(sub) -> None:
     cv = sub.add_parser("convert", help="rewrite a checkpoint for a new mesh: each new rank's slices in its own file",
                         description="Rewrite SRC for a new topology as DST: every rank of MESH gets a data file with "
                                     "the slices it holds (replicated slices written once, balanced across ranks), "
@@ -213,23 +234,30 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--per-rank", choices=("drop", "error"), default="drop",
                     help="per-rank values (RNG states) when the world size changes: leave out (default) or refuse")
     cv.add_argument("--deep-validate", action="store_true", help="re-hash every written chunk before committing")
-    _stream_args(cv, budget_help=budget_help, overwrite_help="replace a committed checkpoint at DST", verify=True)
+    _stream_args(cv, budget_help=_BUDGET_HELP, overwrite_help="replace a committed checkpoint at DST", verify=True)
     cv.set_defaults(func=cmd_convert)
+
+
+def _add_export_hf(sub) -> None:
     ex = sub.add_parser("export-hf", help="write the Hugging Face layout (model*.safetensors, index, config.json)",
                         description="Export SRC as a directory transformers' from_pretrained loads: safetensors "
                                     "shards, model.safetensors.index.json when there are several, config.json from "
                                     "the checkpoint's metadata['hf_config'] or --config.")
     ex.add_argument("src")
     ex.add_argument("dst")
-    ex.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default 5GB = 5*10^9)")
+    ex.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                    help="largest file (default 5GB = 5*10^9)")
     ex.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
     ex.add_argument("--only", metavar="PREFIX", help="export only the subtree PREFIX, with PREFIX. stripped "
                                                      "(e.g. --only model for a Checkpointer's {'model': ...})")
     ex.add_argument("--strip-prefix", metavar="P", help="remove P from the start of every name that has it")
     ex.add_argument("--add-prefix", metavar="P", help="prepend P to every name")
     ex.add_argument("--config", metavar="FILE", help="config.json to write (overrides the checkpoint's)")
-    _stream_args(ex, budget_help=budget_help, overwrite_help="replace DST if it exists", verify=True)
+    _stream_args(ex, budget_help=_BUDGET_HELP, overwrite_help="replace DST if it exists", verify=True)
     ex.set_defaults(func=cmd_export_hf)
+
+
+def _add_import_hf(sub) -> None:
     im = sub.add_parser("import-hf", help="import a Hugging Face safetensors directory as a shardfmt checkpoint",
                         description="Import an HF safetensors model (one file or indexed) as DST: one rank, or "
                                     "each rank of --mesh with its own file (placements from --rules).")
@@ -238,9 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--mesh", help="lay the tensors out on this mesh, e.g. tp=4 (default: one rank)")
     im.add_argument("--rules", metavar="FILE", help="JSON placement rules for --mesh; see README")
     im.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
-    _stream_args(im, budget_help=budget_help, overwrite_help="replace a committed checkpoint at DST", verify=False)
+    _stream_args(im, budget_help=_BUDGET_HELP, overwrite_help="replace a committed checkpoint at DST", verify=False)
     im.set_defaults(func=cmd_import_hf)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

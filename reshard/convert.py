@@ -4,7 +4,7 @@
 slices it will load, so the new job loads on the fast path (each rank reads its own file);
 a slice several ranks hold (replicated over dp, or a tensor outside every pp stage) is
 written once, by the holder the save-time balancing rule picks
-(``shardfmt.saving.distributed.assign_writers``). Placements come from the source manifest,
+(``shardfmt.saving.plan.assign_writers``). Placements come from the source manifest,
 retargeted to the new mesh, or from a rules file (``shardfmt.layout.rules``).
 
 Protocol::
@@ -28,66 +28,51 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import PurePath
 from typing import Any
 
 import torch
 
-from reshard.stream import (
+from reshard._shardfmt import (
+    Box,
+    CheckpointWriter,
+    HeldTensor,
+    Layout,
+    Manifest,
+    Mesh,
+    Placement,
+    RankState,
+    Rules,
+    ShardSpec,
+    Storage,
+    Topology,
+    ValueRecord,
+    assign_writers,
+    dtype_code,
+    file_order,
+    get_storage,
+    jsonvalue,
+    load_rules,
+    open_checkpoint,
+    placement_record,
+    plan_layouts,
+    targets_for_rank,
+    validate,
+)
+from reshard.overlap import refuse_overlap
+from reshard.parse import out_dtype, parse_dtype, parse_mesh, parse_size
+from reshard.stream.memory import (
     DEFAULT_BUDGET,
-    Buffers,
-    Piece,
-    Progress,
-    Source,
-    StreamStats,
+    MemoryPlan,
     fit_uploads,
     memory_plan,
-    parse_size,
-    plan_windows,
-    run_windows,
-    verify_headers,
     window_capacity,
 )
-from shardfmt.errors import CommitError, IntegrityError, ShardfmtError, StateDictError
-from shardfmt.format import jsonvalue
-from shardfmt.format.dtypes import dtype_code, torch_dtype
-from shardfmt.format.manifest import Manifest, Placement, Topology, ValueRecord
-from shardfmt.io.registry import get_storage
-from shardfmt.io.storage import Storage
-from shardfmt.layout.dtensor import placement_record
-from shardfmt.layout.geometry import Box
-from shardfmt.layout.rules import Rules, load_rules, plan_layouts
-from shardfmt.layout.topology import Layout, Mesh, TopologyError
-from shardfmt.loading.reader import open_checkpoint
-from shardfmt.loading.targets import targets_for_rank
-from shardfmt.saving.distributed import assign_writers
-from shardfmt.saving.writer import CheckpointWriter, ShardSpec, file_order
-from shardfmt.validation import validate
+from reshard.stream.plan import plan_windows
+from reshard.stream.records import Piece, Window
+from reshard.stream.run import Buffers, Progress, Source, StreamStats, run_windows, verify_headers
+from shardfmt.errors import CommitError, IntegrityError, StateDictError
 
-FLOATING = frozenset({"F16", "BF16", "F32", "F64"})  # what --dtype casts (float8 kinds stay as they are)
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16,
-          "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "f32": torch.float32,
-          "float32": torch.float32, "float": torch.float32, "fp64": torch.float64, "f64": torch.float64,
-          "float64": torch.float64, "double": torch.float64}
 DEFAULT_MAX_OPEN_FILES = 256
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bf16"`` / ``torch.bfloat16`` -> torch.bfloat16; None stays None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        if dtype is not None and dtype_code(dtype) not in FLOATING:
-            raise ValueError(f"--dtype {dtype}: only floating dtypes ({', '.join(sorted(DTYPES))})")
-        return dtype
-    try:
-        return DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"--dtype {dtype!r}: expected one of {', '.join(sorted(DTYPES))}") from None
-
-
-def out_dtype(code: str, cast: torch.dtype | None) -> torch.dtype:
-    """The dtype a record of ``code`` is written in: ``cast`` for floating records, else its own."""
-    return cast if cast is not None and code in FLOATING else torch_dtype(code)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankFile:
@@ -148,12 +133,12 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
         boxes = [(t.fqn, t.box) for t in targets_for_rank(m, mesh, rank, layouts=layouts)]
         boxes += [(name, Box.full(rec.shape)) for name, rec in m.storages.items()]  # views load whole
         held[rank] = boxes
-        by_fqn: dict[str, list] = {}
+        by_fqn: dict[str, list[Box]] = {}
         for fqn, box in boxes:
-            by_fqn.setdefault(fqn, []).append([list(box.offsets), list(box.lengths)])
-        descs.append({"rank": rank, "tensors": [
-            {"fqn": f, "dtype": dtype_code(dtypes[f], what=f), "shape": list(m.tensor(f).shape), "boxes": b}
-            for f, b in by_fqn.items()]})
+            by_fqn.setdefault(fqn, []).append(box)
+        descs.append(RankState(rank=rank, tensors=tuple(
+            HeldTensor(fqn=f, dtype=dtype_code(dtypes[f], what=f), shape=tuple(m.tensor(f).shape), boxes=tuple(b))
+            for f, b in by_fqn.items())))
     writers = assign_writers(descs)
     mine: dict[int, list[ShardSpec]] = {}
     for (fqn, offsets, lengths), rank in writers.items():
@@ -220,7 +205,13 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
                      max_open_files: int | None = None, record_placements: bool = True,
                      desc: str = "convert") -> tuple[Manifest, StreamStats, int]:
     """Write ``source``'s tensors (and ``values``, ``aliases``) as a checkpoint laid out on
-    ``mesh``: the engine behind convert and import-hf. Returns (manifest, stream stats, files)."""
+    ``mesh``: the engine behind convert and import-hf. Returns (manifest, stream stats, files).
+
+    1) plan every new rank's file (``plan_convert``) and its pieces; 2) group the files by
+    ``max_open_files`` (one at a time on an object store) and plan each group's windows;
+    3) check the source headers; 4) stream group after group into a ``CheckpointWriter``;
+    5) add aliases, views and values, and commit (the staged result is checked first).
+    """
     t0 = time.perf_counter()
     before = source.storage.stats.snapshot()
     m = source.manifest
@@ -236,27 +227,53 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     mem = memory_plan(data_budget, chunk_size=m.chunk_size, verify=source.verify,
                       workers=min(4, getattr(source.storage, "read_concurrency", 4)))
     groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
-    shapes = {name: m.tensor(name).shape for name in dtypes}
+    plans = _plan_groups(pieces, units, groups, {name: m.tensor(name).shape for name in dtypes}, mem)
+    verify_headers(source, pieces)
+
+    check = _staged_check(m, cast, deep=deep_validate, extra_aliases=set(aliases), expect_values=set(values))
+    writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
+                              chunk_size=chunk_size or m.chunk_size, check_staged=check)
+    bar = Progress(sum(f.nbytes for f in files), desc, progress)
+    try:
+        written, windows = _stream_groups(source, writer, files, pieces, list(zip(groups, plans)), mem, bar)
+        _add_records(writer, m, cast, aliases, values)
+        manifest = writer.commit(step=step, metadata=metadata, topology=topology)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    after = source.storage.stats.snapshot()  # header checks included
+    return manifest, StreamStats(windows=windows, bytes_written=written,
+                                 bytes_read=after["bytes_read"] - before["bytes_read"],
+                                 read_requests=after["read_requests"] - before["read_requests"],
+                                 seconds=time.perf_counter() - t0), len(files)
+
+
+def _plan_groups(pieces: Sequence[Piece], units: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                 shapes: Mapping[str, Sequence[int]], mem: MemoryPlan) -> list[list[Window]]:
+    """The windows of each group of files (the files open at once), in order."""
     plans = []
     for g in groups:
         keep = set(g)
         gunits = [[i for i in u if pieces[i].file in keep] for u in units]
         capacity = window_capacity(mem, sum(pieces[i].buffer_bytes for u in gunits for i in u))
         plans.append(plan_windows(pieces, [u for u in gunits if u], shapes, capacity=capacity))
-    need = max((w.nbytes for ws in plans for w in ws), default=0)
-    verify_headers(source, pieces)
+    return plans
 
-    check = _staged_check(m, cast, deep=deep_validate, extra_aliases=set(aliases), expect_values=set(values))
-    writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
-                              chunk_size=chunk_size or m.chunk_size, check_staged=check)
-    total = sum(f.nbytes for f in files)
-    bar = Progress(total, desc, progress)
+
+def _stream_groups(source: Source, writer: CheckpointWriter, files: Sequence[RankFile], pieces: Sequence[Piece],
+                   plans: Sequence[tuple[Sequence[int], Sequence[Window]]], mem: MemoryPlan,
+                   bar: Progress) -> tuple[int, int]:
+    """Open each group's files on ``writer``, stream its windows into them, close them; return
+    (bytes written, windows). On failure, the open files are aborted."""
+    need = max((w.nbytes for _, ws in plans for w in ws), default=0)
     streams: dict[int, Any] = {}
     written = windows = 0
     try:
         buffers = Buffers(mem, need=need)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-hash") as hash_pool:
-            for g, ws in zip(groups, plans):
+            for g, ws in plans:
                 for f in g:
                     rf = files[f]
                     tensors = [s for s in rf.shards if s.fqn not in rf.storages]
@@ -269,29 +286,26 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
                     streams.pop(f).close()
                 written += stats.bytes_written
                 windows += stats.windows
-        del buffers
-        for name, target in sorted(aliases.items()):
-            writer.add_alias(name, target)
-        for name, rec in sorted(m.tensors.items()):
-            if rec.alias_of is not None:
-                writer.add_alias(name, rec.alias_of)
-            elif rec.view is not None:
-                writer.add_view(name, dtype_code(out_dtype(rec.dtype, cast), what=name), tuple(rec.shape), rec.view)
-        for name, rec in sorted(values.items()):
-            writer.add_encoded_value(name, rec)
-        manifest = writer.commit(step=step, metadata=metadata, topology=topology)
     except BaseException:
         for s in streams.values():
             s.abort()
-        writer.abort()
         raise
-    finally:
-        bar.close()
-    after = source.storage.stats.snapshot()  # header checks included
-    return manifest, StreamStats(windows=windows, bytes_written=written,
-                                 bytes_read=after["bytes_read"] - before["bytes_read"],
-                                 read_requests=after["read_requests"] - before["read_requests"],
-                                 seconds=time.perf_counter() - t0), len(files)
+    return written, windows
+
+
+def _add_records(writer: CheckpointWriter, m: Manifest, cast: torch.dtype | None, aliases: Mapping[str, str],
+                 values: Mapping[str, ValueRecord]) -> None:
+    """Add the new aliases, the source's aliases and views (views in the cast dtype), and the values."""
+    for name, target in sorted(aliases.items()):
+        writer.add_alias(name, target)
+    for name, rec in sorted(m.tensors.items()):
+        if rec.alias_of is not None:
+            writer.add_alias(name, rec.alias_of)
+        elif rec.view is not None:
+            writer.add_view(name, dtype_code(out_dtype(rec.dtype, cast), what=name), tuple(rec.shape), rec.view)
+    for name, rec in sorted(values.items()):
+        writer.add_encoded_value(name, rec)
+
 
 
 def convert(
@@ -333,16 +347,7 @@ def convert(
     ckpt = open_checkpoint(src, storage_options=storage_options)
     m = ckpt.manifest
     layouts, unused = plan_layouts(stored_records(m), mesh, rules)
-    values: dict[str, ValueRecord] = {}
-    dropped = []
-    for name, rec in m.values.items():
-        if rec.per_rank is not None and mesh.world_size != m.topology.world_size:
-            if per_rank == "error":
-                raise StateDictError(f"value {name!r} is per rank (saved by {m.topology.world_size} ranks); the new "
-                                     f"mesh has {mesh.world_size} ranks (pass per_rank='drop' to leave it out)")
-            dropped.append(name)
-            continue
-        values[name] = rec
+    values, dropped = _carried_values(m, mesh, per_rank)
     source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
     manifest, stats, nfiles = write_checkpoint(
         source, dst, mesh=mesh, topology=Topology(world_size=mesh.world_size, mesh=mesh.dims), layouts=layouts,
@@ -356,49 +361,19 @@ def convert(
                          unused_rules=unused)
 
 
-def parse_mesh(mesh: str | Mapping[str, int] | Mesh) -> Mesh:
-    """A ``Mesh`` from ``"pp=2,tp=4"``, a mapping or a Mesh; a bad one is a ValueError (the
-    command-line tools' exit 2: a bad argument)."""
-    if isinstance(mesh, Mesh):
-        return mesh
-    try:
-        return Mesh.parse(mesh)
-    except TopologyError as e:
-        raise ValueError(f"mesh: {e}") from None
+def _carried_values(m: Manifest, mesh: Mesh, per_rank: str) -> tuple[dict[str, ValueRecord], list[str]]:
+    """The values the new checkpoint keeps, and the per-rank ones it drops (the world size changed)."""
+    values: dict[str, ValueRecord] = {}
+    dropped = []
+    for name, rec in m.values.items():
+        if rec.per_rank is not None and mesh.world_size != m.topology.world_size:
+            if per_rank == "error":
+                raise StateDictError(f"value {name!r} is per rank (saved by {m.topology.world_size} ranks); the new "
+                                     f"mesh has {mesh.world_size} ranks (pass per_rank='drop' to leave it out)")
+            dropped.append(name)
+            continue
+        values[name] = rec
+    return values, dropped
 
 
-class OverlapError(ShardfmtError, ValueError):
-    """The destination is the source, holds it or lies inside it: writing it would destroy or
-    change what is being read."""
-
-
-def refuse_overlap(storage: Storage, path: str, dst: str, storage_options: dict | None) -> None:
-    """Raise OverlapError when ``dst`` is the source at ``path`` on ``storage``, a directory
-    holding it (a checkpoint root holding it as a step) or a path inside it: replacing ``dst``
-    (``overwrite``) would delete the source. Local paths are compared resolved (symlinks,
-    ``..``); URLs by protocol and path."""
-    dst_storage, dst_path = get_storage(dst, storage_options)
-    src_loc, dst_loc = _location(storage, path), _location(dst_storage, dst_path)
-    n = min(len(src_loc), len(dst_loc))
-    if src_loc[:n] != dst_loc[:n]:
-        return
-    src = storage.url(path)
-    if len(dst_loc) == len(src_loc):
-        raise OverlapError(f"{dst}: the destination is the source {src}; write to a new path")
-    if len(dst_loc) < len(src_loc):
-        raise OverlapError(f"{dst}: the destination holds the source {src} (replacing it would delete the "
-                           "source); write to a new path")
-    raise OverlapError(f"{dst}: the destination lies inside the source {src}; write to a path outside it")
-
-
-def _location(storage: Storage, path: str) -> tuple[str, ...]:
-    """Where ``path`` is, as comparable parts: ("file", resolved local path parts...) or
-    (protocol, bucket, key parts...)."""
-    if getattr(storage, "protocol", "file") in ("file", "local"):  # LocalStorage, fsspec's local filesystem
-        return ("file", *PurePath(os.path.realpath(path)).parts)
-    protocol, _, rest = storage.url(path).partition("://")
-    return (protocol, *(p for p in rest.split("/") if p))
-
-
-__all__ = ["ConvertReport", "OverlapError", "RankFile", "ShardfmtError", "convert", "parse_mesh", "plan_convert",
-           "refuse_overlap", "write_checkpoint"]
+__all__ = ["ConvertReport", "RankFile", "convert", "plan_convert", "stored_records", "write_checkpoint"]

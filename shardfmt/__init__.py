@@ -1,85 +1,41 @@
 """shardfmt: a distributed, sharded, pickle-free checkpoint format for PyTorch.
 
-Public API only; the implementation lives in the submodules.
+The public surface, re-exported from the layers below (``format`` <- ``layout`` <- ``io`` <-
+``commit`` <- ``saving`` / ``loading`` <- ``api`` <- ``training``); every error type is in
+``shardfmt.errors``. Lower-level pieces (manifest records, the writer, the planner, storage
+backends) are importable from their modules and are not part of the stable surface.
 """
 
-from shardfmt._version import __version__  # noqa: E402
-from shardfmt.api import LoadReport, load, save  # noqa: E402
-from shardfmt.errors import (
-    AccessDeniedError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CommitError,
-    DcpImportError,
-    DTypeError,
-    EncodingError,
-    FormatVersionError,
-    HeaderError,
-    IntegrityError,
-    ManifestError,
-    MissingKeyError,
-    PlanError,
-    ShapeError,
-    ShardfmtError,
-    SpecialFileError,
-    StateDictError,
-    StorageError,
-    UnsafePickleError,
-)
-from shardfmt.format.manifest import Manifest  # noqa: E402
-from shardfmt.io.storage import io_stats  # noqa: E402
-from shardfmt.layout.state import IfSaved, PerRank, ShardedTensor  # noqa: E402
-from shardfmt.loading.reader import open_checkpoint, read_manifest  # noqa: E402
-from shardfmt.saving.async_save import AsyncSave, Stager, async_save  # noqa: E402
-from shardfmt.saving.writer import CheckpointWriter, ShardData  # noqa: E402
-from shardfmt.training.checkpointer import Checkpointer, CompatibilityError  # noqa: E402
-from shardfmt.training.sampler import ResumableSampler  # noqa: E402
-from shardfmt.training.train_state import get_state_dict, set_state_dict  # noqa: E402
-from shardfmt.validation import Problem, ValidationReport, validate  # noqa: E402
+from shardfmt import errors
+from shardfmt._version import __version__
+from shardfmt.api import LoadReport, load, save
+from shardfmt.layout.state import IfSaved, PerRank, ShardedTensor
+from shardfmt.loading.reader import read_manifest
+from shardfmt.saving.async_save import AsyncSave, Stager, async_save
+from shardfmt.training.checkpointer import Checkpointer
+from shardfmt.training.sampler import ResumableSampler
+from shardfmt.training.train_state import get_state_dict, set_state_dict
+from shardfmt.validation import validate
 
 __all__ = [
     "__version__",
+    "errors",
+    # one checkpoint
     "save",
     "load",
-    "get_state_dict",
-    "set_state_dict",
     "async_save",
     "AsyncSave",
     "Stager",
     "LoadReport",
     "read_manifest",
-    "open_checkpoint",
     "validate",
-    "ValidationReport",
-    "Problem",
-    "Manifest",
+    # what a state dict may hold
     "ShardedTensor",
-    "Checkpointer",
-    "CompatibilityError",
-    "ResumableSampler",
     "PerRank",
     "IfSaved",
-    "CheckpointWriter",
-    "ShardData",
-    "ShardfmtError",
-    "ManifestError",
-    "FormatVersionError",
-    "HeaderError",
-    "IntegrityError",
-    "SpecialFileError",
-    "CommitError",
-    "CheckpointExistsError",
-    "CheckpointNotFoundError",
-    "StateDictError",
-    "DTypeError",
-    "ShapeError",
-    "MissingKeyError",
-    "EncodingError",
-    "PlanError",
-    "StorageError",
-    "AccessDeniedError",
-    "io_stats",
-    "DcpImportError",
-    "UnsafePickleError",
+    "get_state_dict",
+    "set_state_dict",
+    # a training job
+    "Checkpointer",
+    "ResumableSampler",
 ]
-

@@ -16,20 +16,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardfmt.errors import ShardfmtError
-from shardfmt.format import hashing
 from shardfmt.format.manifest import Manifest
 from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load
 from shardfmt.loading.targets import allocate_view_buffers, copy_views, plan_reads
-from shardfmt.saving.distributed import (
-    in_distributed_job,
-    prepare,
-    run_save,
-    save_distributed,
-)
-from shardfmt.saving.writer import DEFAULT_PART_SIZE
+from shardfmt.saving.coordinator import coordinator_for
+from shardfmt.saving.describe import prepare
+from shardfmt.saving.options import SaveOptions
+from shardfmt.saving.protocol import run_save
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,20 +50,17 @@ def save(
     *,
     step: int | None = None,
     metadata: Any = None,
-    overwrite: bool = False,
+    overwrite: bool | None = None,
     storage_options: dict | None = None,
-    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
-    sync: bool = True,
+    chunk_size: int | None = None,
+    sync: bool | None = None,
     process_group=None,
     timeout=None,
     mesh: Mapping[str, int] | None = None,
-    check_replicas: bool = False,
+    check_replicas: bool | None = None,
     write_workers: int | None = None,
-    part_size: int = DEFAULT_PART_SIZE,
-    _save_id: str | None = None,
-    _clock=None,
-    _writer_versions: Mapping[str, str] | None = None,
-    _on_step=None,
+    part_size: int | None = None,
+    options: SaveOptions | None = None,
 ) -> Manifest:
     """Save ``state_dict`` as a committed checkpoint at ``path`` (a directory or fsspec URL).
 
@@ -78,30 +71,21 @@ def save(
     rank calls ``save`` with its own state: DTensors, ShardedTensors, replicated plain
     tensors and values, ``PerRank`` values. Every rank writes its own file in parallel,
     replicated data is written once, and rank 0 commits after every rank succeeded
-    (see ``shardfmt.saving.distributed``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
+    (see ``shardfmt.saving.protocol``). ``mesh`` (e.g. ``{"pp": 2, "dp": 2, "tp": 2}``) names
     the job's layout in the manifest; ``timeout`` bounds every collective. Every rank must
     save the same ``step`` to the same place (else every rank raises StateDictError before
     anything is staged). A replicated value that differs across ranks is saved as the lowest
     rank's copy with a warning on rank 0 (wrap per-rank state in ``PerRank``);
     ``check_replicas`` makes that an error, and verifies that replicated tensors agree too.
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
-    hash ``part_size`` parts of a file in parallel.
+    hash ``part_size`` parts of a file in parallel. Each knob left None takes its value from
+    ``options`` (a ``SaveOptions``, which owns the defaults).
     """
-    if in_distributed_job(process_group):
-        return save_distributed(
-            state_dict, path, step=step, metadata=metadata, overwrite=overwrite,
-            storage_options=storage_options, chunk_size=chunk_size, sync=sync,
-            process_group=process_group, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
-            write_workers=write_workers, part_size=part_size, _save_id=_save_id, _clock=_clock,
-            _writer_versions=_writer_versions, _on_step=_on_step)
-
-    prepared = prepare(state_dict, 0)
-    if prepared.error is not None:
-        raise prepared.error
-    return run_save(prepared, path, group=None, step=step, metadata=metadata, overwrite=overwrite,
-                    storage_options=storage_options, chunk_size=chunk_size, sync=sync, mesh=mesh,
-                    write_workers=write_workers, part_size=part_size, _save_id=_save_id, _clock=_clock,
-                    _writer_versions=_writer_versions, _on_step=_on_step)
+    opts = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options, chunk_size=chunk_size,
+                              sync=sync, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
+                              write_workers=write_workers, part_size=part_size)
+    coord = coordinator_for(process_group, opts.timeout)
+    return run_save(prepare(state_dict, coord.rank), path, coord=coord, options=opts, step=step, metadata=metadata)
 
 
 # ----------------------------------------------------------------------------- load

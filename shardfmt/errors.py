@@ -55,6 +55,10 @@ class StateDictError(ShardfmtError):
     """A state dict cannot be saved or loaded as given (bad key, unsupported value, mismatch)."""
 
 
+class CompatibilityError(StateDictError):
+    """The checkpoint was written for a different model or config."""
+
+
 class DTypeError(StateDictError):
     """A dtype cannot be stored, or a target's dtype differs from the checkpoint's."""
 
@@ -81,11 +85,3 @@ class StorageError(ShardfmtError):
 
 class AccessDeniedError(StorageError):
     """The storage refused the credentials or the permission (wrong key, read-only bucket)."""
-
-
-class DcpImportError(ShardfmtError):
-    """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
-
-
-class UnsafePickleError(DcpImportError):
-    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""

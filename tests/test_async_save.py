@@ -135,7 +135,7 @@ def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_re
     """With overlap the writer waits piece by piece: ``ready(i)`` returns once buffer ``i`` holds
     its copy (not before ``run``), and a copy that fails makes the later pieces' ``ready`` raise
     the project's error (so every rank's save fails instead of writing stale bytes)."""
-    from shardfmt.saving.async_save import StagedCopy
+    from shardfmt.saving.stager import StagedCopy
 
     src = [torch.arange(6.0), torch.ones(3, 4)]
     copy = shardfmt.Stager(overlap=True).begin(src)
@@ -153,7 +153,7 @@ def test_a_staged_piece_is_ready_only_once_copied_and_a_failed_copy_fails_its_re
     with pytest.raises(RuntimeError):
         broken.run()
     broken.ready(0)  # copied before the failure
-    with pytest.raises(shardfmt.StateDictError, match="snapshot into host memory failed before piece 1"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="snapshot into host memory failed before piece 1"):
         broken.ready(1)
 
 
@@ -194,7 +194,7 @@ def test_pinning_registers_one_page_aligned_arena_off_the_calling_thread(monkeyp
 def test_errors_surface_on_wait_or_at_the_call(tmp_path):
     shardfmt.save({"w": torch.ones(2)}, str(tmp_path / "c"))
     h = shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "c"), stager=shardfmt.Stager())
-    with pytest.raises(shardfmt.CheckpointExistsError):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError):
         h.wait()
     out = {"w": torch.empty(2)}
     shardfmt.load(out, str(tmp_path / "c"))
@@ -203,7 +203,7 @@ def test_errors_surface_on_wait_or_at_the_call(tmp_path):
     class Opaque:
         pass
 
-    with pytest.raises(shardfmt.EncodingError, match="x"):
+    with pytest.raises(shardfmt.errors.EncodingError, match="x"):
         shardfmt.async_save({"x": Opaque()}, str(tmp_path / "d"))
     with pytest.raises(ValueError, match="policy"):
         shardfmt.async_save({}, str(tmp_path / "e"), policy="queue")
@@ -217,7 +217,7 @@ def test_metadata_is_part_of_the_snapshot(tmp_path):
     meta["lr"].append(0.2)
     assert h.wait().metadata == {"note": "before", "lr": [0.1]}
     assert shardfmt.read_manifest(str(tmp_path / "c")).metadata == {"note": "before", "lr": [0.1]}
-    with pytest.raises(shardfmt.EncodingError, match="metadata"):  # and a bad one fails the call itself
+    with pytest.raises(shardfmt.errors.EncodingError, match="metadata"):  # and a bad one fails the call itself
         shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "d"), metadata={"x": object()})
 
 
@@ -290,7 +290,8 @@ def test_checkpointer_async_latest_never_names_an_in_flight_save(tmp_path, monke
 def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, monkeypatch):
     """Ctrl-C during the call's copy: the interrupt propagates, nothing is written, and the
     handle is done, so the interpreter's exit (which waits for in-flight saves) does not hang."""
-    from shardfmt.saving.async_save import _LIVE, StagedCopy
+    from shardfmt.saving.async_save import _LIVE
+    from shardfmt.saving.stager import StagedCopy
 
     def interrupted(self):
         raise KeyboardInterrupt
@@ -300,7 +301,7 @@ def test_an_interrupted_snapshot_leaves_no_save_for_exit_to_wait_on(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         shardfmt.async_save({"w": torch.ones(4)}, str(tmp_path / "c"), stager=stager)
     assert stager.inflight is not None and stager.inflight.done()
-    with pytest.raises(shardfmt.StateDictError, match="snapshot"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="snapshot"):
         stager.inflight.wait()
     assert all(h.done() for h in list(_LIVE))
     assert not (tmp_path / "c").exists()
@@ -322,8 +323,8 @@ def test_a_save_still_writing_when_the_script_ends_is_committed_before_exit(tmp_
             time.sleep(1.0)  # still writing when the main thread ends
             return real(*a, **k)
         W.write_shard_file = slow
-        import shardfmt.saving.distributed as D
-        D.write_shard_file = slow
+        import shardfmt.saving.protocol as P
+        P.write_shard_file = slow
         real_rank = W.CheckpointWriter.write_rank
         def slow_rank(self, *a, **k):
             time.sleep(1.0)

@@ -16,10 +16,10 @@ from shardfmt.format.manifest import CommitRecord
 @pytest.fixture
 def saved(tmp_path):
     path = str(tmp_path / "ck")
-    w = shardfmt.CheckpointWriter(path, chunk_size=4096)
+    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096)
     full = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
-    w.write_rank(0, [shardfmt.ShardData(fqn="w", data=full[:32], global_shape=(64, 64), offsets=(0, 0))])
-    w.write_rank(1, [shardfmt.ShardData(fqn="w", data=full[32:], global_shape=(64, 64), offsets=(32, 0))])
+    w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[:32], global_shape=(64, 64), offsets=(0, 0))])
+    w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="w", data=full[32:], global_shape=(64, 64), offsets=(32, 0))])
     w.add_value("v", 1)
     w.commit(step=1)
     return path, full
@@ -66,7 +66,7 @@ def test_path_traversal_is_refused(saved, bad):
             if s["file"] == f:
                 s["file"] = bad
     recommit(path, mutate)
-    with pytest.raises(shardfmt.ManifestError, match="data/<name>.safetensors"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="data/<name>.safetensors"):
         load_w(path)
     rep = shardfmt.validate(path)
     assert not rep.ok
@@ -87,7 +87,7 @@ def test_bad_shard_geometry_is_refused(saved, field, value, match):
     def mutate(o):
         shard0(o)[field] = value
     recommit(path, mutate)
-    with pytest.raises(shardfmt.ManifestError, match=match):
+    with pytest.raises(shardfmt.errors.ManifestError, match=match):
         load_w(path)
     assert not shardfmt.validate(path).ok
 
@@ -100,7 +100,7 @@ def test_shard_borrowing_another_records_key_is_refused(tmp_path, wanted):
     shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path)
     recommit(path, lambda o: o["tensors"]["a"].__setitem__("shards", o["tensors"]["b"]["shards"]))
     out = {k: torch.full((8,), 7.0) for k in wanted}
-    with pytest.raises(shardfmt.ManifestError, match="key 'b' of data/rank_00000.safetensors is used by"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="key 'b' of data/rank_00000.safetensors is used by"):
         shardfmt.load(out, path)
     assert all(torch.equal(t, torch.full((8,), 7.0)) for t in out.values())
     assert not shardfmt.validate(path).ok
@@ -108,16 +108,16 @@ def test_shard_borrowing_another_records_key_is_refused(tmp_path, wanted):
 
 def test_shards_of_one_tensor_swapping_keys_are_refused(tmp_path):
     path = str(tmp_path / "ck2")
-    w = shardfmt.CheckpointWriter(path, chunk_size=4096)
-    w.write_rank(0, [shardfmt.ShardData(fqn="w", data=torch.arange(4.0), global_shape=(8,), offsets=(0,)),
-                     shardfmt.ShardData(fqn="w", data=torch.arange(4.0, 8.0), global_shape=(8,), offsets=(4,))])
+    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096)
+    w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=torch.arange(4.0), global_shape=(8,), offsets=(0,)),
+                     shardfmt.saving.writer.ShardData(fqn="w", data=torch.arange(4.0, 8.0), global_shape=(8,), offsets=(4,))])
     w.commit()
 
     def mutate(o):
         s0, s1 = o["tensors"]["w"]["shards"]
         s1["key"], s1["byte_range"] = s0["key"], s0["byte_range"]
     recommit(path, mutate)
-    with pytest.raises(shardfmt.ManifestError, match="unique within its file"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="unique within its file"):
         shardfmt.load({"w": torch.zeros(8)}, path)
 
 
@@ -127,7 +127,7 @@ def test_shard_pointing_at_another_tensors_bytes_is_refused(tmp_path):
     shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path)
     recommit(path, lambda o: o["tensors"]["a"]["shards"][0].__setitem__(
         "byte_range", o["tensors"]["b"]["shards"][0]["byte_range"]))
-    with pytest.raises(shardfmt.ShardfmtError, match="'a'|overlaps"):
+    with pytest.raises(shardfmt.errors.ShardfmtError, match="'a'|overlaps"):
         shardfmt.load({"a": torch.empty(8)}, path)
     assert not shardfmt.validate(path).ok
 
@@ -139,7 +139,7 @@ def test_overlapping_shards_are_refused(saved):
         s1 = o["tensors"]["w"]["shards"][1]
         s1["offsets"] = [16, 0]  # overlaps shard 0 rows 16..31, leaves rows 48..63 uncovered
     recommit(path, mutate)
-    with pytest.raises(shardfmt.PlanError, match="do not cover"):
+    with pytest.raises(shardfmt.errors.PlanError, match="do not cover"):
         load_w(path)
     rep = shardfmt.validate(path)
     assert any(p.code == "tiling" and p.tensor == "w" for p in rep.problems)
@@ -150,7 +150,7 @@ def test_truncated_file(saved):
     f = os.path.join(path, "data", "rank_00001.safetensors")
     with open(f, "r+b") as fh:
         fh.truncate(os.path.getsize(f) - 100)
-    with pytest.raises(shardfmt.IntegrityError, match="rank_00001.*bytes, manifest says"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="rank_00001.*bytes, manifest says"):
         load_w(path)
     rep = shardfmt.validate(path)
     assert [p.code for p in rep.problems] == ["file_size"] and rep.problems[0].file == "data/rank_00001.safetensors"
@@ -163,7 +163,7 @@ def test_flipped_data_byte_is_caught(saved):
     path, full = saved
     f = os.path.join(path, "data", "rank_00001.safetensors")
     flip_byte(f, 5000, 0x40)
-    with pytest.raises(shardfmt.IntegrityError, match="rank_00001.safetensors: chunk 1"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="rank_00001.safetensors: chunk 1"):
         load_w(path)
     assert shardfmt.validate(path).ok  # quick validation does not read data
     deep = shardfmt.validate(path, deep=True)
@@ -184,14 +184,14 @@ def test_header_disagreeing_with_manifest(saved):
         fh.write(raw[:8] + header + raw[8 + n:])
     rep = shardfmt.validate(path)
     assert any(p.code == "header" and p.tensor == "w" and "[64, 32]" in p.message for p in rep.problems)
-    with pytest.raises(shardfmt.IntegrityError):
+    with pytest.raises(shardfmt.errors.IntegrityError):
         load_w(path)  # the header's chunk no longer hashes right
 
 
 def test_non_json_manifest(saved):
     path, _ = saved
     write_manifest(path, b"{not json", "x")
-    with pytest.raises(shardfmt.ManifestError, match="not valid JSON"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="not valid JSON"):
         load_w(path)
     rep = shardfmt.validate(path)
     assert [p.code for p in rep.problems] == ["manifest_json"]
@@ -204,7 +204,7 @@ def test_manifest_over_the_limit(saved, monkeypatch):
 
     monkeypatch.setattr(rd, "MAX_MANIFEST_BYTES", 100)
     monkeypatch.setattr(mf, "MAX_MANIFEST_BYTES", 100)
-    with pytest.raises(shardfmt.IntegrityError, match="limit"):  # the checkpoint is bad, not the storage
+    with pytest.raises(shardfmt.errors.IntegrityError, match="limit"):  # the checkpoint is bad, not the storage
         load_w(path)
 
 
@@ -220,14 +220,14 @@ def test_huge_header_length_is_refused(saved):
 def test_missing_committed(saved):
     path, _ = saved
     os.remove(os.path.join(path, "COMMITTED"))
-    with pytest.raises(shardfmt.CommitError, match="not committed"):
+    with pytest.raises(shardfmt.errors.CommitError, match="not committed"):
         load_w(path)
 
 
 def test_newer_format_version_names_both(saved):
     path, _ = saved
     recommit(path, lambda o: o.__setitem__("format_version", 2))
-    with pytest.raises(shardfmt.FormatVersionError, match=r"version 2.*up to 1"):
+    with pytest.raises(shardfmt.errors.FormatVersionError, match=r"version 2.*up to 1"):
         load_w(path)
     assert any("version 2" in p.message for p in shardfmt.validate(path).problems)
 
@@ -237,7 +237,7 @@ def test_older_version_goes_through_migration(saved, monkeypatch):
     import shardfmt.format.manifest as mf
 
     recommit(path, lambda o: (o.__setitem__("format_version", 0), o.__setitem__("legacy_field", 1)))
-    with pytest.raises(shardfmt.FormatVersionError, match="no migration"):
+    with pytest.raises(shardfmt.errors.FormatVersionError, match="no migration"):
         load_w(path)
 
     def v0_to_v1(obj):
@@ -251,7 +251,7 @@ def test_older_version_goes_through_migration(saved, monkeypatch):
 def test_unknown_dtype_in_manifest(saved):
     path, _ = saved
     recommit(path, lambda o: o["tensors"]["w"].__setitem__("dtype", "F128"))
-    with pytest.raises(shardfmt.ManifestError, match="F128"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="F128"):
         load_w(path)
 
 
@@ -265,7 +265,7 @@ def test_missing_path_and_cli_exit_codes(tmp_path, saved, capsys):
     assert "nope" in err and "Traceback" not in err
     os.remove(os.path.join(path, "COMMITTED"))
     assert main(["validate", path]) == 1
-    with pytest.raises(shardfmt.CheckpointNotFoundError):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError):
         load_w(str(tmp_path / "nope"))
 
 
@@ -278,7 +278,7 @@ def test_a_directory_where_the_checkpoint_has_a_file_is_an_invalid_checkpoint(sa
     path, _ = saved
     os.remove(os.path.join(path, member))
     os.mkdir(os.path.join(path, member))
-    with pytest.raises(shardfmt.SpecialFileError, match=f"{member}: is a directory, not a regular file"):
+    with pytest.raises(shardfmt.errors.SpecialFileError, match=f"{member}: is a directory, not a regular file"):
         load_w(path)
     assert main(["inspect", path]) == 1
     assert reshard_main(["convert", path, path + "-out", "--mesh", "dp=1"]) == 1
@@ -289,9 +289,9 @@ def test_a_directory_where_the_checkpoint_has_a_file_is_an_invalid_checkpoint(sa
 
 def test_a_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path):
     bad = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"ck\xff"))
-    with pytest.raises(shardfmt.StorageError, match="valid UTF-8"):
+    with pytest.raises(shardfmt.errors.StorageError, match="valid UTF-8"):
         shardfmt.save({"w": torch.ones(3)}, bad, step=1)
-    with pytest.raises(shardfmt.StorageError, match="valid UTF-8"):
+    with pytest.raises(shardfmt.errors.StorageError, match="valid UTF-8"):
         shardfmt.async_save({"w": torch.ones(3)}, bad, step=1, stager=shardfmt.Stager()).wait()
     assert os.listdir(tmp_path) == []
 
@@ -301,10 +301,10 @@ def test_a_bad_step_fails_before_any_data_is_written(tmp_path, monkeypatch, step
     def no_writer(*a, **k):
         raise AssertionError("a save with a bad step must not start writing")
 
-    monkeypatch.setattr("shardfmt.saving.distributed.CheckpointWriter", no_writer)
+    monkeypatch.setattr("shardfmt.saving.protocol.CheckpointWriter", no_writer)
     path = str(tmp_path / "ck")
-    with pytest.raises(shardfmt.StateDictError, match="step must be"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="step must be"):
         shardfmt.save({"w": torch.ones(3)}, path, step=step)
-    with pytest.raises(shardfmt.StateDictError, match="step must be"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="step must be"):
         shardfmt.async_save({"w": torch.ones(3)}, path, step=step, stager=shardfmt.Stager())
     assert os.listdir(tmp_path) == []

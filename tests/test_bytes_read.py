@@ -145,8 +145,8 @@ def _tp_checkpoint(path):
     sd = {"norm.weight": torch.randn(512, generator=g), "fc1.weight": torch.randn(1024, 512, generator=g),
           "fc1.bias": torch.randn(1024, generator=g), "fc2.weight": torch.randn(512, 1024, generator=g),
           "fc2.bias": torch.randn(512, generator=g)}
-    w = shardfmt.CheckpointWriter(path)
-    w.write_rank(0, [shardfmt.ShardData(fqn=k, data=v, global_shape=tuple(v.shape), offsets=(0,) * v.dim())
+    w = shardfmt.saving.writer.CheckpointWriter(path)
+    w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn=k, data=v, global_shape=tuple(v.shape), offsets=(0,) * v.dim())
                      for k, v in sd.items()])
     w.write_rank(1, [])
     w.commit()
@@ -185,11 +185,11 @@ def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
     from shardfmt.layout.topology import Layout, Shard
 
     path = str(tmp_path / "ck")
-    w = shardfmt.CheckpointWriter(path)
+    w = shardfmt.saving.writer.CheckpointWriter(path)
     w.write_rank(0, [
-        shardfmt.ShardData(fqn="fc2.weight", data=torch.randn(256, 256), global_shape=(256, 256), offsets=(0, 0),
+        shardfmt.saving.writer.ShardData(fqn="fc2.weight", data=torch.randn(256, 256), global_shape=(256, 256), offsets=(0, 0),
                            placement=placement_record(Layout(("tp",), (Shard(1),)))),
-        shardfmt.ShardData(fqn="fc2.bias", data=torch.randn(256), global_shape=(256,), offsets=(0,),
+        shardfmt.saving.writer.ShardData(fqn="fc2.bias", data=torch.randn(256), global_shape=(256,), offsets=(0,),
                            placement=placement_record(Layout((), ())))])
     w.commit(topology=Topology(world_size=1, mesh=(("tp", 1),)))
     f = _one_file(path)

@@ -12,8 +12,9 @@ from conftest import as_next_format_version, flip_byte
 
 import shardfmt
 import shardfmt.saving.async_save
-import shardfmt.training.checkpointer
-from shardfmt.training.checkpointer import Checkpointer, CompatibilityError
+import shardfmt.training.archiving
+from shardfmt.errors import CompatibilityError
+from shardfmt.training.checkpointer import Checkpointer
 from shardfmt.training.retention import to_delete
 from shardfmt.training.sampler import ResumableSampler
 
@@ -89,7 +90,7 @@ def test_no_valid_checkpoint_raises_unless_fresh_start_allowed(tmp_path):
     ck = Checkpointer(str(tmp_path))
     ck.save(1, make())
     os.remove(os.path.join(ck.latest(), "COMMITTED"))
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match="none is valid"):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match="none is valid"):
         Checkpointer(str(tmp_path)).restore(make())
     assert Checkpointer(str(tmp_path), allow_fresh_start=True).restore(make()) is None
 
@@ -212,7 +213,7 @@ def test_a_failed_restore_that_wrote_into_the_model_is_no_fresh_start(tmp_path):
     flip_byte(f, os.path.getsize(f) - 100)  # the last chunk: every earlier one lands first
     fresh = torch.nn.Linear(64, 64)
     with pytest.warns(UserWarning, match="unusable"), \
-            pytest.raises(shardfmt.CheckpointNotFoundError, match="not a fresh start either"):
+            pytest.raises(shardfmt.errors.CheckpointNotFoundError, match="not a fresh start either"):
         Checkpointer(root, allow_fresh_start=True).restore({"model": fresh})
     assert (fresh.weight == 7.0).any()  # what the error is about
     # the bad checkpoint is quarantined: a restarted job (a new model) starts fresh
@@ -220,13 +221,13 @@ def test_a_failed_restore_that_wrote_into_the_model_is_no_fresh_start(tmp_path):
 
 
 def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_path, monkeypatch):
-    import shardfmt.saving.distributed as D
+    import shardfmt.saving.protocol as P
 
-    real = D.run_save
+    real = P.run_save
 
     def failing(prepared, path, **kw):
         if path.endswith("step_000000001"):
-            raise shardfmt.CommitError(f"{path}: injected failure")
+            raise shardfmt.errors.CommitError(f"{path}: injected failure")
         return real(prepared, path, **kw)
 
     monkeypatch.setattr(shardfmt.saving.async_save, "run_save", failing)  # where async_save looks it up
@@ -234,11 +235,11 @@ def test_a_failed_background_save_is_raised_by_wait_even_after_later_saves(tmp_p
     m = torch.nn.Linear(2, 2)
     ck = Checkpointer(root)
     h1 = ck.save(1, {"model": m}, async_=True)
-    with pytest.raises(shardfmt.CommitError):
+    with pytest.raises(shardfmt.errors.CommitError):
         h1.wait()
     with pytest.warns(UserWarning, match="step_000000001 failed"):
         ck.save(2, {"model": m}, async_=True)
-    with pytest.raises(shardfmt.CommitError, match="injected failure"):
+    with pytest.raises(shardfmt.errors.CommitError, match="injected failure"):
         ck.wait()
     ck.wait()  # raised once
     assert os.listdir(root) == ["step_000000002"]
@@ -273,7 +274,7 @@ def test_saving_before_the_first_optimizer_step_changes_nothing(tmp_path):
 
 @pytest.mark.parametrize("step", ["5", -1, 1.5, True])
 def test_a_bad_step_is_a_typed_error(tmp_path, step):
-    with pytest.raises(shardfmt.StateDictError, match="step must be an int >= 0"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="step must be an int >= 0"):
         Checkpointer(str(tmp_path / "run")).save(step, {"model": torch.nn.Linear(2, 2)})
 
 
@@ -307,7 +308,7 @@ def test_a_state_that_does_not_fit_is_the_callers_error_and_quarantines_nothing(
     for s in (1, 2):
         ck.save(s, {"model": m, "ema": _Ema(10)})
     before = sorted(os.listdir(root))
-    with pytest.raises(shardfmt.StateDictError, match="does not fit the checkpoint.*nothing was quarantined"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="does not fit the checkpoint.*nothing was quarantined"):
         Checkpointer(root, allow_fresh_start=allow_fresh_start).restore({"model": torch.nn.Linear(4, 4),
                                                                          "ema": _Ema(12)})
     assert sorted(os.listdir(root)) == before
@@ -438,13 +439,13 @@ def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_p
 
     def flaky(self, path, *, limit, **kw):
         if "step_000000002" in path:
-            raise shardfmt.StorageError(f"{path}: read failed: Connection reset by peer")
+            raise shardfmt.errors.StorageError(f"{path}: read failed: Connection reset by peer")
         return real(self, path, limit=limit, **kw)
 
     monkeypatch.setattr(LocalStorage, "read_bytes", flaky)
-    with pytest.raises(shardfmt.StorageError, match="Connection reset"):
+    with pytest.raises(shardfmt.errors.StorageError, match="Connection reset"):
         Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)})
-    with pytest.raises(shardfmt.StorageError, match="Connection reset"):
+    with pytest.raises(shardfmt.errors.StorageError, match="Connection reset"):
         Checkpointer(root).latest()
     monkeypatch.undo()
     assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
@@ -484,10 +485,10 @@ def test_a_failed_archive_copy_is_retried_by_the_next_save_of_its_bucket(tmp_pat
     def flaky(*a, **k):
         calls.append(1)
         if len(calls) == 1:
-            raise shardfmt.StorageError("simulated: the archive is unreachable for a while")
+            raise shardfmt.errors.StorageError("simulated: the archive is unreachable for a while")
         return real(*a, **k)
 
-    monkeypatch.setattr(shardfmt.training.checkpointer, "copy_checkpoint", flaky)  # where the Checkpointer looks it up
+    monkeypatch.setattr(shardfmt.training.archiving, "copy_checkpoint", flaky)  # where the archive tier looks it up
     ck = Checkpointer(root, keep_last=2, archive=arch, archive_every=10, archive_attempts=1)
     m = torch.nn.Linear(2, 2)
     with warnings.catch_warnings():
@@ -516,12 +517,12 @@ def test_restore_takes_the_newest_step_whether_on_the_root_or_in_the_archive(tmp
     assert torch.all(got.weight == 20.0)
     # a root that cannot be listed (a transient failure) fails the restore: the archive's older
     # steps are no answer while the root may hold newer ones
-    import shardfmt.training.checkpointer as C
+    import shardfmt.training.restore as C  # where restore looks it up
 
     real = C.list_steps
-    monkeypatch.setattr(C, "list_steps", lambda st, r: (_ for _ in ()).throw(shardfmt.StorageError("flaky"))
+    monkeypatch.setattr(C, "list_steps", lambda st, r: (_ for _ in ()).throw(shardfmt.errors.StorageError("flaky"))
                         if r == Checkpointer(root).root else real(st, r))
-    with pytest.raises(shardfmt.StorageError, match="cannot list"):
+    with pytest.raises(shardfmt.errors.StorageError, match="cannot list"):
         Checkpointer(root, archive=arch).restore({"model": torch.nn.Linear(2, 2)})
 
 
@@ -532,6 +533,30 @@ def test_bad_checkpointer_arguments_are_refused_at_construction(tmp_path, kw):
     kw.setdefault("archive", str(tmp_path / "arch"))
     with pytest.raises(ValueError, match="Checkpointer: "):
         Checkpointer(str(tmp_path), **kw)
+
+
+def test_keywords_and_an_options_object_make_the_same_checkpointer(tmp_path):
+    """Each knob has one home (CheckpointerOptions); the constructor's keywords set its fields,
+    over an options object when both are given, and the policies take effect either way."""
+    from shardfmt.training.options import ArchivePolicy, CheckpointerOptions, RetentionPolicy
+
+    root, arch = str(tmp_path / "run"), str(tmp_path / "arch")
+    opts = CheckpointerOptions(retention=RetentionPolicy(keep_last=2, keep_every=100),
+                               archive=ArchivePolicy(url=arch, every=10), lease_seconds=30.0)
+    by_keywords = Checkpointer(root, keep_last=2, keep_every=100, archive=arch, archive_every=10, lease_seconds=30.0)
+    assert by_keywords.options == opts and by_keywords.lease_seconds == 30.0
+    ck = Checkpointer(root, options=opts, keep_last=1)
+    assert ck.options.retention == RetentionPolicy(keep_last=1, keep_every=100) and ck.options.archive == opts.archive
+    m = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        ck.save(step, {"model": m})
+        ck.wait()
+    assert [i.step for i in ck.list()] == [1, 3]  # keep_last=1, and step 1 as bucket 0's long-term copy
+    assert os.listdir(arch) == ["step_000000001"]  # one copy per archive_every=10 steps
+    with pytest.raises(TypeError, match="keep_lats"):
+        Checkpointer(root, keep_lats=1)
+    with pytest.raises(ValueError, match="Checkpointer: archive_every must be an int >= 1"):
+        ArchivePolicy(url=arch, every=0)
 
 
 def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_path):
@@ -560,7 +585,7 @@ def test_a_dead_copys_leftover_in_the_archive_does_not_block_archiving_that_step
     for p in (os.path.join(leftover, "data"), leftover):
         os.utime(p, (old, old))
     ck = Checkpointer(root, archive=arch, archive_every=10, archive_attempts=1)
-    ck._archive_one(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
+    ck._archiver.copy(10, os.path.join(root, "step_000000010"))  # what a save of step 10 queues
     assert ck.archive_errors == [] and os.listdir(arch) == ["step_000000010"]
 
 
@@ -568,7 +593,7 @@ def test_an_entry_whose_load_state_dict_fails_is_a_typed_error_naming_it(tmp_pat
     """E.g. a GradScaler saved disabled and restored enabled: torch raises a bare RuntimeError."""
     root = str(tmp_path / "run")
     Checkpointer(root).save(1, {"model": torch.nn.Linear(2, 2), "scaler": torch.amp.GradScaler("cpu", enabled=False)})
-    with pytest.raises(shardfmt.StateDictError, match=r"'scaler'.load_state_dict failed: RuntimeError.*"
+    with pytest.raises(shardfmt.errors.StateDictError, match=r"'scaler'.load_state_dict failed: RuntimeError.*"
                                                       r"already restored: model"):
         Checkpointer(root).restore({"model": torch.nn.Linear(2, 2),
                                     "scaler": torch.amp.GradScaler("cpu", enabled=True)})
@@ -647,7 +672,7 @@ def test_a_newer_format_version_stops_restore_and_is_never_quarantined(tmp_path,
     before = sorted(os.listdir(root))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing "unusable, quarantined"
-        with pytest.raises(shardfmt.FormatVersionError,
+        with pytest.raises(shardfmt.errors.FormatVersionError,
                            match=rf"{re.escape(newest)} \(step 300\): format version 2; this reader supports up "
                                  r"to 1\..*upgrade shardfmt.*or move it out of"):
             Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)})
@@ -681,9 +706,9 @@ def test_a_root_missing_with_its_parent_is_an_error_not_a_fresh_start(tmp_path):
     typo = str(tmp_path / "scrach" / "run")
     m = torch.nn.Linear(2, 2)
     missing = rf"{re.escape(typo)}: the Checkpointer root does not exist, nor does its parent {re.escape(str(tmp_path / 'scrach'))}"
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing + ".*allow_fresh_start=True"):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=missing + ".*allow_fresh_start=True"):
         Checkpointer(typo).restore({"model": m})
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=missing):
         Checkpointer(typo).save(1, {"model": m})
     assert os.listdir(tmp_path) == []
     ck = Checkpointer(typo, allow_fresh_start=True)
@@ -711,8 +736,8 @@ def test_a_checkpoint_given_as_the_root_is_an_error_naming_its_parent(tmp_path, 
             "a plain checkpoint": str(tmp_path / "final")}[given]
     before = sorted(os.walk(tmp_path))
     match = rf"{re.escape(path)}: is a checkpoint, not a Checkpointer root.*pass its parent {re.escape(os.path.dirname(path))}"
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=match):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=match):
         Checkpointer(path).restore({"model": torch.nn.Linear(2, 2)})
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=match):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=match):
         Checkpointer(path, allow_fresh_start=True).save(1, {"model": torch.nn.Linear(2, 2)})
     assert sorted(os.walk(tmp_path)) == before  # nothing written inside a checkpoint

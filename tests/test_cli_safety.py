@@ -221,7 +221,7 @@ def test_a_directory_without_committed_is_named_for_what_it_is_by_every_entry_po
     path = _not_a_checkpoint(kind, tiny, tmp_path)
     code, msg = WHAT_IT_IS[kind]
     msg = msg.format(path=path)
-    error = shardfmt.CheckpointNotFoundError if code == 2 else shardfmt.CommitError
+    error = shardfmt.errors.CheckpointNotFoundError if code == 2 else shardfmt.errors.CommitError
     with pytest.raises(error, match=re.escape(msg)):
         shardfmt.load({"w": torch.zeros(2, 3)}, path)
     if code == 2:
@@ -248,7 +248,7 @@ def test_a_checkpoint_of_a_newer_format_version_is_unreadable_here_never_invalid
     that would call the checkpoint invalid; validate exits 2 (not judged), never 1."""
     as_next_format_version(tiny, where)
     want = "written in format version 2, this reader supports up to 1; upgrade shardfmt to read it"
-    with pytest.raises(shardfmt.FormatVersionError, match=want):
+    with pytest.raises(shardfmt.errors.FormatVersionError, match=want):
         shardfmt.load({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, tiny)
     report = validate(tiny)
     assert [p.code for p in report.problems] == ["format_version"] and want in report.problems[0].message

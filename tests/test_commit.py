@@ -11,6 +11,7 @@ import torch
 import shardfmt
 from shardfmt.commit.protocol import STEPS
 from shardfmt.io.storage import LocalStorage
+from shardfmt.saving.options import SaveOptions, Seams
 from shardfmt.training.roots import list_checkpoints
 
 
@@ -32,6 +33,10 @@ def _value(path):
 
 
 OLD = torch.full((64, 64), 1.0)
+
+
+def _hooked(hook) -> SaveOptions:
+    return SaveOptions(_seams=Seams(on_step=hook))
 NEW = torch.full((64, 64), 2.0)
 
 
@@ -39,7 +44,7 @@ NEW = torch.full((64, 64), 2.0)
 def test_crash_on_first_save_leaves_nothing_or_a_committed_checkpoint(step, tmp_path):
     path = str(tmp_path / "ck")
     with pytest.raises(Crash):
-        shardfmt.save({"w": NEW}, path, _on_step=_crash_at(step))
+        shardfmt.save({"w": NEW}, path, options=_hooked(_crash_at(step)))
     rows = list_checkpoints(str(tmp_path))
     committed = [r for r in rows if r["status"] == "committed"]
     if os.path.exists(path):
@@ -48,7 +53,7 @@ def test_crash_on_first_save_leaves_nothing_or_a_committed_checkpoint(step, tmp_
         assert torch.equal(_value(path), NEW)
     else:
         assert not committed
-        with pytest.raises(shardfmt.CheckpointNotFoundError):
+        with pytest.raises(shardfmt.errors.CheckpointNotFoundError):
             _value(path)
     # a later save of the same path works
     shardfmt.save({"w": NEW}, path, overwrite=True)
@@ -63,12 +68,12 @@ OVERWRITE_CASES = [(s, True) for s in STEPS if s != "set_aside"] + [(s, False) f
 def test_crash_during_overwrite_keeps_old_or_new(step, exchange, tmp_path, monkeypatch):
     if not exchange:
         def no_exchange(self, a, b):
-            raise shardfmt.StorageError("no renameat2 here")
+            raise shardfmt.errors.StorageError("no renameat2 here")
         monkeypatch.setattr(LocalStorage, "exchange", no_exchange)
     path = str(tmp_path / "ck")
     shardfmt.save({"w": OLD}, path)
     with pytest.raises(Crash):
-        shardfmt.save({"w": NEW}, path, overwrite=True, _on_step=_crash_at(step))
+        shardfmt.save({"w": NEW}, path, overwrite=True, options=_hooked(_crash_at(step)))
     got = _value(path)  # never "nothing there"
     assert torch.equal(got, OLD) or torch.equal(got, NEW)
     published = STEPS.index(step) >= STEPS.index("published")
@@ -80,7 +85,7 @@ def test_crash_during_overwrite_keeps_old_or_new(step, exchange, tmp_path, monke
 def test_refuses_to_overwrite_without_flag(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"w": OLD}, path)
-    with pytest.raises(shardfmt.CheckpointExistsError, match="overwrite=True"):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError, match="overwrite=True"):
         shardfmt.save({"w": NEW}, path)
     assert torch.equal(_value(path), OLD)
     assert sorted(os.listdir(tmp_path)) == ["ck"], "a refused save left files behind"
@@ -90,7 +95,7 @@ def test_refuses_non_empty_foreign_directory(tmp_path):
     path = tmp_path / "ck"
     path.mkdir()
     (path / "precious.txt").write_text("user data")
-    with pytest.raises(shardfmt.CheckpointExistsError):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError):
         shardfmt.save({"w": OLD}, str(path))
     assert (path / "precious.txt").read_text() == "user data"
 
@@ -106,7 +111,7 @@ def test_uncommitted_checkpoint_is_refused(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"w": OLD}, path)
     os.remove(os.path.join(path, "COMMITTED"))
-    with pytest.raises(shardfmt.CommitError, match="not committed"):
+    with pytest.raises(shardfmt.errors.CommitError, match="not committed"):
         _value(path)
     assert not shardfmt.validate(path).ok
     assert [r["status"] for r in list_checkpoints(str(tmp_path))] == ["incomplete"]
@@ -120,7 +125,7 @@ def test_manifest_edited_after_commit_is_detected(tmp_path):
         raw = f.read()
     with open(mpath, "wb") as f:
         f.write(raw.replace(b'"step":3', b'"step":4'))
-    with pytest.raises(shardfmt.IntegrityError, match="changed after the commit"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="changed after the commit"):
         _value(path)
     rep = shardfmt.validate(path)
     assert any(p.code == "manifest_digest" for p in rep.problems)
@@ -135,10 +140,12 @@ def test_process_killed_mid_save_leaves_previous_state(step, tmp_path):
     shardfmt.save({"w": OLD}, path)
     code = textwrap.dedent(f"""
         import os, torch, shardfmt
+        from shardfmt.saving.options import SaveOptions, Seams
         def hook(name):
             if name == {step!r}:
                 os._exit(9)
-        shardfmt.save({{"w": torch.full((64, 64), 2.0)}}, {path!r}, overwrite=True, _on_step=hook)
+        shardfmt.save({{"w": torch.full((64, 64), 2.0)}}, {path!r}, overwrite=True,
+                      options=SaveOptions(_seams=Seams(on_step=hook)))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert proc.returncode == 9, proc.stderr.decode()
@@ -152,12 +159,12 @@ def test_process_killed_mid_save_leaves_previous_state(step, tmp_path):
 def test_two_saves_of_one_path_race_safely(tmp_path):
     """Both stage; the first to publish wins, the second gets a clear error and removes its files."""
     path = str(tmp_path / "ck")
-    first = shardfmt.CheckpointWriter(path)
-    second = shardfmt.CheckpointWriter(path)
-    first.write_rank(0, [shardfmt.ShardData(fqn="w", data=OLD, global_shape=(64, 64), offsets=(0, 0))])
-    second.write_rank(0, [shardfmt.ShardData(fqn="w", data=NEW, global_shape=(64, 64), offsets=(0, 0))])
+    first = shardfmt.saving.writer.CheckpointWriter(path)
+    second = shardfmt.saving.writer.CheckpointWriter(path)
+    first.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=OLD, global_shape=(64, 64), offsets=(0, 0))])
+    second.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=NEW, global_shape=(64, 64), offsets=(0, 0))])
     first.commit()
-    with pytest.raises(shardfmt.CheckpointExistsError, match="first"):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError, match="first"):
         second.commit()
     assert torch.equal(_value(path), OLD)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -167,7 +174,7 @@ def test_two_saves_of_one_path_race_safely(tmp_path):
 def test_a_save_onto_a_regular_file_leaves_the_file(tmp_path, overwrite):
     f = tmp_path / "notes.txt"
     f.write_text("my notes\n")
-    with pytest.raises(shardfmt.CheckpointExistsError, match="notes.txt: is a file, not a checkpoint directory"):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError, match="notes.txt: is a file, not a checkpoint directory"):
         shardfmt.save({"w": torch.ones(2)}, str(f), overwrite=overwrite)
     assert f.read_text() == "my notes\n"
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]

@@ -15,7 +15,10 @@ import reshard.convert
 import shardfmt
 from reshard.cli import main as reshard_main
 from reshard.convert import convert
-from reshard.stream import BudgetError, Piece, memory_plan, plan_windows
+from reshard.errors import BudgetError
+from reshard.stream.memory import memory_plan
+from reshard.stream.plan import plan_windows
+from reshard.stream.records import Piece
 from shardfmt.format.manifest import Topology
 from shardfmt.layout.dtensor import placement_record
 from shardfmt.layout.geometry import Box
@@ -30,12 +33,12 @@ ROOT = os.path.dirname(HERE)
 MESH8 = "pp=2,dp=2,tp=2"
 
 
-def write_8_ranks(path: str, *, chunk_size: int = 1 << 20) -> shardfmt.Manifest:
+def write_8_ranks(path: str, *, chunk_size: int = 1 << 20) -> shardfmt.format.manifest.Manifest:
     """The transformer state of tests/distributed/model.py as 8 ranks (pp=2, dp=2, tp=2) would
     save it: each distinct slice written once, by its first holder, placements recorded; plus
     an alias, views of one storage, values and per-rank values."""
     mesh = Mesh.parse(MESH8)
-    w = shardfmt.CheckpointWriter(path, chunk_size=chunk_size)
+    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=chunk_size)
     done = set()
     for r in range(8):
         mine = []
@@ -43,11 +46,11 @@ def write_8_ranks(path: str, *, chunk_size: int = 1 << 20) -> shardfmt.Manifest:
             key = (fqn, v.offsets, tuple(v.local.shape))
             if key not in done:
                 done.add(key)
-                mine.append(shardfmt.ShardData(fqn=fqn, data=v.local, global_shape=v.global_shape, offsets=v.offsets,
+                mine.append(shardfmt.saving.writer.ShardData(fqn=fqn, data=v.local, global_shape=v.global_shape, offsets=v.offsets,
                                                placement=placement_record(v.layout)))
         storages = []
         if r == 3:  # a fused buffer and two views of it (stored once, as a storage)
-            storages = [shardfmt.ShardData(fqn=".storage.extra.q", data=_fused(), global_shape=(48,), offsets=(0,))]
+            storages = [shardfmt.saving.writer.ShardData(fqn=".storage.extra.q", data=_fused(), global_shape=(48,), offsets=(0,))]
         w.write_rank(r, mine, storages=storages)
     w.add_alias("model.head_tied.weight", "model.embed.weight")
     from shardfmt.format.manifest import ViewRecord
@@ -190,7 +193,7 @@ def test_same_world_size_keeps_per_rank_values_and_dtype_cast(src8, tmp_path):
     assert m.tensors["model.layers.0.attn.wq.weight"].dtype == "BF16"
     assert m.tensors["model.head_tied.weight"].dtype == "BF16" and m.storages[".storage.extra.q"].dtype == "BF16"
     _check_full(_load_full(dst, torch.bfloat16), torch.bfloat16)
-    with pytest.raises(shardfmt.StateDictError, match="per rank"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="per rank"):
         convert(src8, str(tmp_path / "x"), "tp=2", per_rank="error")
     assert not os.path.exists(str(tmp_path / "x"))
 
@@ -242,10 +245,10 @@ def test_errors_name_the_problem_and_leave_nothing(src8, tmp_path):
         convert(src8, dst, "tp=2", memory_budget="lots")
     with pytest.raises(ValueError, match="is the source"):
         convert(src8, src8, "tp=2")
-    with pytest.raises(shardfmt.CheckpointNotFoundError):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError):
         convert(str(tmp_path / "missing"), dst, "tp=2")
     convert(src8, dst, "tp=2")
-    with pytest.raises(shardfmt.CheckpointExistsError, match="already there"):
+    with pytest.raises(shardfmt.errors.CheckpointExistsError, match="already there"):
         convert(src8, dst, "tp=2")
     rep = convert(src8, dst, "tp=4", overwrite=True)
     assert shardfmt.read_manifest(dst).topology.world_size == 4 == rep.world
@@ -259,7 +262,7 @@ def test_corrupt_source_chunk_is_caught_and_nothing_committed(tmp_path):
     with open(os.path.join(src, name), "r+b") as f:
         f.seek(os.path.getsize(os.path.join(src, name)) - 100)
         f.write(b"\xff\xfe")
-    with pytest.raises(shardfmt.IntegrityError, match="rank_00001"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="rank_00001"):
         convert(src, dst, "tp=3")
     assert not os.path.exists(dst) and [n for n in os.listdir(tmp_path) if ".tmp-" in n] == []
     convert(src, dst, "tp=3", verify=False)  # asked not to verify: the bytes are taken as they are
@@ -278,7 +281,7 @@ def test_staged_result_is_validated_before_commit(src8, tmp_path, monkeypatch):
                                   problems=rep.problems + (V.Problem(code="tiling", message="injected"),))
 
     monkeypatch.setattr(reshard.convert, "validate", broken)  # where convert looks it up
-    with pytest.raises(shardfmt.IntegrityError, match="failed validation before its commit.*injected"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="failed validation before its commit.*injected"):
         convert(src8, str(tmp_path / "dst"), "tp=2")
     assert not os.path.exists(str(tmp_path / "dst"))
 
@@ -300,7 +303,7 @@ def test_window_plan_streams_large_and_interleaved_slices_in_file_order():
 
 _RSS_SCRIPT = r"""
 import json, sys, threading, time
-import reshard.convert, reshard.hf
+import reshard.convert, reshard.hf_export
 
 def rss():
     with open("/proc/self/status") as f:
@@ -324,7 +327,7 @@ if what == "convert":
     rep = reshard.convert.convert(src, dst, sys.argv[5], memory_budget=int(budget))
     out = {"windows": rep.windows, "read": rep.bytes_read, "written": rep.bytes_written}
 else:
-    rep = reshard.hf.export_hf(src, dst, memory_budget=int(budget), max_shard_size="40MB")
+    rep = reshard.hf_export.export_hf(src, dst, memory_budget=int(budget), max_shard_size="40MB")
     out = {"files": len(rep.files), "read": rep.bytes_read, "written": rep.total_size}
 stop.set()
 t.join()
@@ -337,7 +340,7 @@ def _big_checkpoint(path: str, mib: int) -> int:
     """~``mib`` MiB on 4 ranks (tp=4): row- and column-split fp32 matrices, bf16 vectors, and a
     24 MiB tensor (three times an 8 MiB budget)."""
     g = torch.Generator().manual_seed(0)
-    w = shardfmt.CheckpointWriter(path)
+    w = shardfmt.saving.writer.CheckpointWriter(path)
     place = {d: placement_record(Layout(("tp",), (Shard(d),))) for d in (0, 1)}
     items = []
     i = 0
@@ -351,13 +354,13 @@ def _big_checkpoint(path: str, mib: int) -> int:
         for fqn, t, d in items:
             if d is None:  # replicated: written once, by rank 0
                 if r == 0:
-                    mine.append(shardfmt.ShardData(fqn=fqn, data=t, global_shape=tuple(t.shape), offsets=(0,)))
+                    mine.append(shardfmt.saving.writer.ShardData(fqn=fqn, data=t, global_shape=tuple(t.shape), offsets=(0,)))
                 continue
             k = t.shape[d] // 4
             offs = [0, 0]
             offs[d] = r * k
             piece = t.narrow(d, r * k, k).contiguous()
-            mine.append(shardfmt.ShardData(fqn=fqn, data=piece, global_shape=tuple(t.shape), offsets=tuple(offs),
+            mine.append(shardfmt.saving.writer.ShardData(fqn=fqn, data=piece, global_shape=tuple(t.shape), offsets=tuple(offs),
                                            placement=place[d]))
         w.write_rank(r, mine)
     w.commit(topology=Topology(world_size=4, mesh=(("tp", 4),)))

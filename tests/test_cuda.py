@@ -54,7 +54,7 @@ def test_background_staging_sees_writes_queued_on_the_callers_stream(tmp_path):
 
 def test_a_failed_host_register_leaves_no_cuda_error_behind():
     """cudaHostRegister's failure must not surface at the caller's next kernel launch."""
-    from shardfmt.saving.async_save import _register_pinned
+    from shardfmt.saving.stager import _register_pinned
 
     arena = torch.empty(1 << 20, dtype=torch.uint8)
     unpin = _register_pinned(arena, torch.device("cuda", 0), {})

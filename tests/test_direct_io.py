@@ -12,7 +12,7 @@ import shardfmt
 from shardfmt.errors import StorageError
 from shardfmt.io import aligned
 from shardfmt.io.storage import LocalStorage
-from shardfmt.saving.writer import ShardData, _gather, write_shard_file
+from shardfmt.saving.shard_file import ShardData, _gather, write_shard_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
 
@@ -230,7 +230,7 @@ def test_a_corrupt_chunk_read_directly_is_caught(tmp_path, monkeypatch):
     f.write_bytes(bytes(raw))
     reads = _DirectReads(monkeypatch)
     out = {k: torch.zeros_like(v) for k, v in state.items()}
-    with pytest.raises(shardfmt.IntegrityError, match=f"{f.name}: .*chunk"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match=f"{f.name}: .*chunk"):
         shardfmt.load(out, path)
     assert reads.fds
 
@@ -242,7 +242,7 @@ def test_bytes_other_ranks_may_read_stay_in_the_page_cache(tmp_path, monkeypatch
 
     w = torch.randn(700_001)
     path = str(tmp_path / "two")
-    cw = shardfmt.CheckpointWriter(path)
+    cw = shardfmt.saving.writer.CheckpointWriter(path)
     cw.write_rank(0, [ShardData(fqn="w", data=w, global_shape=(700_001,), offsets=(0,))])
     cw.write_rank(1, [])
     cw.commit(step=1, topology=Topology(world_size=2))

@@ -11,6 +11,9 @@ import sys
 import torch
 
 import shardfmt
+from shardfmt.saving.options import SaveOptions, Seams
+from shardfmt.saving.shard_file import ShardData
+from shardfmt.saving.writer import CheckpointWriter
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "..", "spec", "golden", "v1")
@@ -21,20 +24,19 @@ def write_golden(path: str) -> None:
     """Two ranks: a row-split matrix, a bf16 vector, a 0-d step, an alias, and values."""
     w = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 8
     norm = torch.linspace(-1, 1, 5).to(torch.bfloat16)
-    writer = shardfmt.CheckpointWriter(
-        path,
+    seams = Seams(
         save_id="0123456789abcdef",
         clock=lambda: dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc),
         writer_versions={"python": "3.x", "shardfmt": "golden", "torch": "2.x"},
-        chunk_size=4096,
     )
+    writer = CheckpointWriter(path, options=SaveOptions(chunk_size=4096, _seams=seams))
     writer.write_rank(0, [
-        shardfmt.ShardData(fqn="model.w", data=w[:3], global_shape=(6, 4), offsets=(0, 0)),
-        shardfmt.ShardData(fqn="model.norm", data=norm, global_shape=(5,), offsets=(0,)),
+        ShardData(fqn="model.w", data=w[:3], global_shape=(6, 4), offsets=(0, 0)),
+        ShardData(fqn="model.norm", data=norm, global_shape=(5,), offsets=(0,)),
     ])
     writer.write_rank(1, [
-        shardfmt.ShardData(fqn="model.w", data=w[3:], global_shape=(6, 4), offsets=(3, 0)),
-        shardfmt.ShardData(fqn="optim.step", data=torch.tensor(7, dtype=torch.int64), global_shape=(), offsets=()),
+        ShardData(fqn="model.w", data=w[3:], global_shape=(6, 4), offsets=(3, 0)),
+        ShardData(fqn="optim.step", data=torch.tensor(7, dtype=torch.int64), global_shape=(), offsets=()),
     ])
     writer.add_alias("model.head", "model.w")
     writer.add_value("optim.param_groups", [{"lr": 0.001, "betas": (0.9, 0.999), "params": ["model.w"]}])

@@ -12,7 +12,10 @@ from conftest import bytes_equal
 
 import shardfmt
 from reshard.cli import main as reshard_main
-from reshard.hf import HF_CONFIG_KEY, HFError, export_hf, import_hf
+from reshard.errors import HFError
+from reshard.hf_export import export_hf
+from reshard.hf_import import import_hf
+from reshard.hf_layout import HF_CONFIG_KEY
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,7 +206,7 @@ def test_import_hf_sharded_on_a_mesh_with_rules(tmp_path):
 
 
 def test_import_hf_errors(tmp_path):
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match="no such directory"):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match="no such directory"):
         import_hf(str(tmp_path / "missing"), str(tmp_path / "x"))
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"\x80\x04")
@@ -223,7 +226,7 @@ def test_import_hf_errors(tmp_path):
     d2.mkdir()
     hdr = json.dumps({"x": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
     (d2 / "model.safetensors").write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\x00")
-    with pytest.raises(shardfmt.HeaderError, match="unsupported dtype 'F4'"):
+    with pytest.raises(shardfmt.errors.HeaderError, match="unsupported dtype 'F4'"):
         import_hf(str(d2), str(tmp_path / "x"))
     with pytest.raises(ValueError, match="need a mesh"):
         import_hf(str(d), str(tmp_path / "x"), rules=str(tmp_path / "r.json"))
@@ -234,7 +237,7 @@ def test_export_errors_and_cli(tmp_path, capsys):
     model = tiny_llama(tie=False, seed=5)
     ck = str(tmp_path / "ck")
     shardfmt.save({"model": model.state_dict()}, ck, metadata={HF_CONFIG_KEY: model.config.to_dict()})
-    with pytest.raises(shardfmt.MissingKeyError, match="under 'decoder'"):
+    with pytest.raises(shardfmt.errors.MissingKeyError, match="under 'decoder'"):
         export_hf(ck, str(tmp_path / "x"), only="decoder")
     clash = str(tmp_path / "clash")
     shardfmt.save({"a.w": torch.ones(2), "w": torch.zeros(2)}, clash)

@@ -43,7 +43,7 @@ def small(tmp_path):
         "not-numpys-form", "not-numpys-form-bool"])
 def test_a_stored_value_numpy_refuses_is_the_checkpoints_fault(small, value):
     recommit(small, lambda o: o["values"]["v"].update(value={"lr": value}))
-    with pytest.raises(shardfmt.ManifestError, match="v.lr"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="v.lr"):
         shardfmt.load({"w": torch.zeros(3, 4), "v": None}, small)
     report = shardfmt.validate(small)
     assert [p.code for p in report.problems] == ["value"], report.problems
@@ -87,7 +87,7 @@ def test_a_view_stride_cannot_make_load_allocate_what_the_checkpoint_does_not_ho
         o["storages"][".storage.a"]["shape"] = [1 << 40]
         o["tensors"]["a"]["view"]["stride"] = [1 << 39, 1]
     recommit(path, mutate)
-    with deadline(20, "load"), pytest.raises(shardfmt.PlanError, match="do not cover"):
+    with deadline(20, "load"), pytest.raises(shardfmt.errors.PlanError, match="do not cover"):
         shardfmt.load({"a": torch.zeros(2, 4)}, path, verify=verify)
 
 
@@ -103,7 +103,7 @@ def test_views_whose_shards_share_bytes_are_refused_before_allocating(views):
         st["shards"].append(dict(first, offsets=[20], key=".storage.a@20"))
         o["tensors"]["a"]["view"]["stride"] = [32, 1]  # reaches element 35: both copies
     recommit(path, mutate)
-    with pytest.raises(shardfmt.ManifestError, match="share bytes"):
+    with pytest.raises(shardfmt.errors.ManifestError, match="share bytes"):
         shardfmt.load({"a": torch.zeros(2, 4)}, path, verify=False)
 
 
@@ -126,8 +126,8 @@ def test_a_tensor_in_20000_shards_saves_validates_and_loads_in_bounded_time(tmp_
     full = torch.arange(n, dtype=torch.float32)
     path = str(tmp_path / "many")
     t = time.perf_counter()
-    with shardfmt.CheckpointWriter(path, chunk_size=4096) as w:
-        w.write_rank(0, [shardfmt.ShardData(fqn="w", data=full[i:i + 1], global_shape=(n,), offsets=(i,))
+    with shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096) as w:
+        w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[i:i + 1], global_shape=(n,), offsets=(i,))
                          for i in range(n)])
         w.commit(step=1)
     saved = time.perf_counter() - t
@@ -191,7 +191,7 @@ def test_rank_coordinates_are_checked_entry_by_entry(small):
         o["topology"] = {"world_size": 6, "mesh": [{"name": "dp", "size": 2}, {"name": "tp", "size": 3}],
                          "ranks": [[0, 0], [0, 1], [0, 2], [1, 0], [1, 2], [1, 1]]}
     recommit(small, mutate)
-    with pytest.raises(shardfmt.ManifestError, match=r"ranks\[4\]: \[1, 2\] is not rank 4's"):
+    with pytest.raises(shardfmt.errors.ManifestError, match=r"ranks\[4\]: \[1, 2\] is not rank 4's"):
         shardfmt.load({"w": torch.zeros(3, 4)}, small)
 
 
@@ -212,7 +212,7 @@ for path in sys.argv[1:]:
     try:
         shardfmt.read_manifest(path)
         outcome = "ok"
-    except shardfmt.ShardfmtError as e:
+    except shardfmt.errors.ShardfmtError as e:
         outcome = type(e).__name__ + ": " + str(e)
     out.append({"path": path, "growth": list(hwm())[0] - before, "outcome": outcome})
 print(json.dumps(out))
@@ -398,7 +398,7 @@ def test_a_dense_safetensors_header_is_read_within_a_bounded_memory(tmp_path):
     script = ("import shardfmt, torch\n" + _PEAK_SCRIPT.split("out = []")[0]
               + f"open('/proc/self/clear_refs', 'w').write('5'); before = list(hwm())[1]\n"
               f"try:\n    shardfmt.load({{'w': torch.zeros(12)}}, {path!r}); print('loaded')\n"
-              f"except shardfmt.ShardfmtError as e:\n    print(type(e).__name__, e)\n"
+              f"except shardfmt.errors.ShardfmtError as e:\n    print(type(e).__name__, e)\n"
               f"print(list(hwm())[0] - before)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     lines = out.stdout.strip().splitlines()
@@ -447,7 +447,7 @@ def test_invalid_json_past_one_piece_is_refused_as_a_whole_parse_refuses_it(smal
     if b"given twice" not in match.encode():
         with pytest.raises(orjson.JSONDecodeError):
             orjson.loads(bad)
-    with pytest.raises(shardfmt.ManifestError, match=match):
+    with pytest.raises(shardfmt.errors.ManifestError, match=match):
         parse_manifest(bad)
 
 
@@ -456,13 +456,13 @@ def test_a_large_malformed_header_is_a_header_error(tmp_path):
 
     js = b'{"x":tru' + PAD + b"}"
     raw = len(js).to_bytes(8, "little") + js
-    with pytest.raises(shardfmt.HeaderError, match="not valid JSON"):
+    with pytest.raises(shardfmt.errors.HeaderError, match="not valid JSON"):
         decode_header(raw, source="f", file_size=len(raw))
 
 
 def test_lazy_values_are_named_by_kind_and_size_in_errors(small):
     recommit(small, lambda o: o.update(format_version=[0] * 600_000))
-    with pytest.raises(shardfmt.ManifestError, match=r"format_version <JSON array of \d+ bytes> is not a version"):
+    with pytest.raises(shardfmt.errors.ManifestError, match=r"format_version <JSON array of \d+ bytes> is not a version"):
         shardfmt.read_manifest(small)
 
 

@@ -37,16 +37,12 @@ from torch.distributed.checkpoint.metadata import (
 
 import shardfmt
 from reshard import cli
-from reshard.dcp_import import import_dcp, plan_import, rank_of_files
-from reshard.dcp_metadata import (
-    DcpChunk,
-    DcpLocation,
-    DcpMetadata,
-    DcpTensor,
-    parse_metadata,
-    record_cap,
-)
-from shardfmt.errors import DcpImportError, StateDictError, UnsafePickleError
+from reshard.dcp.importer import import_dcp
+from reshard.dcp.metadata import DcpChunk, DcpLocation, DcpMetadata, DcpTensor, parse_metadata
+from reshard.dcp.plan import plan_import, rank_of_files
+from reshard.dcp.unpickler import record_cap
+from reshard.errors import DcpImportError, UnsafePickleError
+from shardfmt.errors import StateDictError
 from tests.deadline import deadline
 from tests.distributed.harness import check_all_ok, launch
 from tests.distributed.model import truth
@@ -280,7 +276,7 @@ def test_bad_step_or_a_destination_over_the_source_is_refused_before_any_work(dc
         cli.main(["import-dcp", src, dst, "--trust-pickle", "--step", "-5"])
     assert e.value.code == 2 and "--step" in capsys.readouterr().err and _nothing_at(dst)
     with pytest.MonkeyPatch.context() as mp:  # refused before the source is even opened
-        mp.setattr("reshard.dcp_import.get_storage", lambda *a, **k: pytest.fail("opened the source"))
+        mp.setattr("reshard.dcp.importer.get_storage", lambda *a, **k: pytest.fail("opened the source"))
         with pytest.raises(StateDictError, match="step must be"):
             import_dcp(src, dst, trust_pickle=True, step=-5)
     assert _nothing_at(dst)
@@ -428,7 +424,7 @@ def _path_parts() -> bytes:
 
 _MEASURED_IMPORT = r"""
 import json, resource, sys, time
-from reshard.dcp_import import METADATA_LIMIT, import_dcp
+from reshard.dcp.importer import METADATA_LIMIT, import_dcp
 from shardfmt.errors import ShardfmtError
 
 def status(field):
@@ -672,7 +668,7 @@ def test_model_and_adam_state_load_into_the_structure_dcp_saved(tmp_path):
 
 
 def test_group_values_rebuilds_tensor_free_containers_as_shardfmt_names_them():
-    from reshard.dcp_import import Slot, group_values
+    from reshard.dcp.plan import Slot, group_values
 
     tensors = ["optim.state.0.exp_avg"]
     values = ["optim.state.0.step", "optim.param_groups.0.lr", "optim.param_groups.0.params", "sched.lr",

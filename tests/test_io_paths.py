@@ -4,7 +4,7 @@ import torch
 
 import shardfmt
 from shardfmt.io.storage import LocalStorage
-from shardfmt.saving.writer import ShardData, write_shard_file
+from shardfmt.saving.shard_file import ShardData, write_shard_file
 
 
 def _shards():

@@ -6,6 +6,7 @@ import torch
 import shardfmt
 from shardfmt.errors import MissingKeyError, StateDictError
 from shardfmt.loading.options import DEFAULT_MAX_BOUNCE_READ, DEFAULT_WORKERS, LoadOptions
+from shardfmt.loading.reader import open_checkpoint
 from shardfmt.loading.request import request_load
 from shardfmt.loading.targets import plan_reads
 
@@ -41,7 +42,7 @@ def test_options_and_keywords_agree_and_keywords_win(tmp_path):
 
 def test_storage_defaults_fill_only_what_the_caller_left_open(tmp_path):
     _, path = _saved(tmp_path)
-    ckpt = shardfmt.open_checkpoint(path)
+    ckpt = open_checkpoint(path)
     local = LoadOptions().for_storage(ckpt.storage)
     assert local.max_gap == ckpt.storage.max_gap and local.workers == DEFAULT_WORKERS
     assert LoadOptions(max_gap=0, workers=2).for_storage(ckpt.storage).max_gap == 0
@@ -53,7 +54,7 @@ def test_each_destination_slice_is_one_target_naming_both_ends(tmp_path):
     """Tied tensors share memory (read through a bounce buffer), a column slice is strided (bounce),
     a contiguous tensor is read in place; in one process every target is ``sole``. Nothing is read."""
     _, path = _saved(tmp_path)
-    m = shardfmt.open_checkpoint(path).manifest
+    m = open_checkpoint(path).manifest
     tied = torch.zeros(8, 8)
     wide = torch.zeros(3, 2)
     state = {"a": tied, "c": tied, "b": wide[:, 0], "d": torch.zeros(5), "n": 0, "ghost": torch.zeros(1)}

@@ -75,24 +75,24 @@ def test_an_expanded_target_is_refused_before_anything_is_read(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"v": torch.arange(4.0), "w": torch.ones(3, 4)}, path)
     v = torch.full((4,), -1.0)
-    with pytest.raises(shardfmt.StateDictError, match="w: the target tensor has elements that share memory"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="w: the target tensor has elements that share memory"):
         shardfmt.load({"v": v, "w": torch.zeros(4).expand(3, 4)}, path)
     assert v.tolist() == [-1.0] * 4
 
 
 def test_rank_given_offline_is_a_rank_of_the_saving_job(tmp_path):
     path = str(tmp_path / "ck")
-    w = shardfmt.CheckpointWriter(path)
+    w = shardfmt.saving.writer.CheckpointWriter(path)
     full = torch.arange(8.0)
     for r in range(4):
-        w.write_rank(r, [shardfmt.ShardData(fqn="w", data=full[2 * r:2 * r + 2], global_shape=(8,), offsets=(2 * r,))])
+        w.write_rank(r, [shardfmt.saving.writer.ShardData(fqn="w", data=full[2 * r:2 * r + 2], global_shape=(8,), offsets=(2 * r,))])
     w.add_value("rng", per_rank={r: f"state-{r}" for r in range(4)})
     w.commit()
     for r in range(4):
         sd = {"w": shardfmt.ShardedTensor(torch.zeros(2), (8,), (2 * r,)), "rng": shardfmt.PerRank(None)}
         shardfmt.load(sd, path, rank=r)
         assert sd["rng"].value == f"state-{r}" and sd["w"].local.tolist() == [2.0 * r, 2.0 * r + 1]
-    with pytest.raises(shardfmt.StateDictError, match="rank=4 is not a rank of the job that saved it"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="rank=4 is not a rank of the job that saved it"):
         shardfmt.load({"rng": shardfmt.PerRank(None)}, path, rank=4)
 
 
@@ -101,23 +101,23 @@ def test_a_failed_verification_says_the_targets_may_hold_partial_data(tmp_path):
     shardfmt.save({"w": torch.arange(4096.0)}, path, chunk_size=4096)
     f = os.path.join(path, "data", "rank_00000.safetensors")
     flip_byte(f, 9000)
-    with pytest.raises(shardfmt.IntegrityError, match="chunk 2 .*may hold part of the checkpoint's data"):
+    with pytest.raises(shardfmt.errors.IntegrityError, match="chunk 2 .*may hold part of the checkpoint's data"):
         shardfmt.load({"w": torch.zeros(4096)}, path)
 
 
 def test_a_tensor_where_a_value_was_saved_and_back_are_named(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"w": torch.ones(2), "step": 3}, path)
-    with pytest.raises(shardfmt.StateDictError, match="step: the checkpoint holds a value here, not a tensor"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="step: the checkpoint holds a value here, not a tensor"):
         shardfmt.load({"step": torch.zeros(1)}, path)
-    with pytest.raises(shardfmt.StateDictError, match="w: the checkpoint holds a tensor here"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="w: the checkpoint holds a tensor here"):
         shardfmt.load({"w": None}, path)
 
 
 def test_a_cast_that_would_drop_the_imaginary_part_is_refused(tmp_path):
     path = str(tmp_path / "ck")
     shardfmt.save({"z": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)}, path)
-    with pytest.raises(shardfmt.DTypeError, match="z: .*imaginary part"):
+    with pytest.raises(shardfmt.errors.DTypeError, match="z: .*imaginary part"):
         shardfmt.load({"z": torch.zeros(2)}, path, cast=True)
     out = torch.zeros(2, dtype=torch.complex128)
     shardfmt.load({"z": out}, path, cast=True)

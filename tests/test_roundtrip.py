@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 import shardfmt
 from shardfmt import ShardedTensor
+from shardfmt.saving.options import SaveOptions, Seams
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
@@ -70,9 +71,9 @@ def test_sharded_tensor_targets_read_their_slice(ckpt_dir):
 def test_sharded_sources_written_by_one_process_load_whole(ckpt_dir):
     full = torch.randn(10, 6)
     src = {"w": ShardedTensor(full[:4].clone(), (10, 6), (0, 0))}
-    w = shardfmt.CheckpointWriter(ckpt_dir)
-    w.write_rank(0, [shardfmt.ShardData(fqn="w", data=full[:4], global_shape=(10, 6), offsets=(0, 0))])
-    w.write_rank(1, [shardfmt.ShardData(fqn="w", data=full[4:], global_shape=(10, 6), offsets=(4, 0))])
+    w = shardfmt.saving.writer.CheckpointWriter(ckpt_dir)
+    w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[:4], global_shape=(10, 6), offsets=(0, 0))])
+    w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="w", data=full[4:], global_shape=(10, 6), offsets=(4, 0))])
     m = w.commit()
     assert len(m.files) == 2 and len(m.tensors["w"].shards) == 2
     out = torch.empty(10, 6)
@@ -163,9 +164,9 @@ def test_unstorable_value_is_refused_naming_the_key(ckpt_dir):
     class Custom:
         pass
 
-    with pytest.raises(shardfmt.EncodingError, match=r"opt\.thing"):
+    with pytest.raises(shardfmt.errors.EncodingError, match=r"opt\.thing"):
         shardfmt.save({"t": torch.ones(1), "opt": {"thing": Custom()}}, ckpt_dir)
-    with pytest.raises(shardfmt.EncodingError, match="set"):
+    with pytest.raises(shardfmt.errors.EncodingError, match="set"):
         shardfmt.save({"s": {1, 2}}, ckpt_dir)
     import os
 
@@ -182,13 +183,13 @@ def test_lists_of_tensors_flatten_by_index(ckpt_dir):
 
 
 def test_flatten_collisions_and_bad_keys_raise(ckpt_dir):
-    with pytest.raises(shardfmt.StateDictError, match="same name"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="same name"):
         shardfmt.save({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, ckpt_dir)
-    with pytest.raises(shardfmt.StateDictError, match="same name"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="same name"):
         shardfmt.save({"x": {0: torch.ones(1), "0": torch.ones(1)}}, ckpt_dir)
-    with pytest.raises(shardfmt.StateDictError, match="empty"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="empty"):
         shardfmt.save({"a..b": torch.ones(1)}, ckpt_dir)
-    with pytest.raises(shardfmt.StateDictError, match="key"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="key"):
         shardfmt.save({"x": {(1, 2): torch.ones(1)}}, ckpt_dir)
 
 
@@ -204,13 +205,13 @@ def test_model_state_dict_with_dotted_keys_round_trips(ckpt_dir):
 def test_every_shard_file_opens_with_safetensors(ckpt_dir):
     sd = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int16), "c": torch.tensor(True),
           "d": torch.randn(4).bfloat16(), "e": torch.empty(0)}
-    w = shardfmt.CheckpointWriter(ckpt_dir, chunk_size=4096)
+    w = shardfmt.saving.writer.CheckpointWriter(ckpt_dir, chunk_size=4096)
     big = torch.randn(9, 4)
-    w.write_rank(0, [shardfmt.ShardData(fqn=k, data=v, global_shape=tuple(v.shape), offsets=(0,) * v.dim())
+    w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn=k, data=v, global_shape=tuple(v.shape), offsets=(0,) * v.dim())
                      for k, v in sd.items()]
-                 + [shardfmt.ShardData(fqn="big", data=big[:3], global_shape=(9, 4), offsets=(0, 0)),
-                    shardfmt.ShardData(fqn="big", data=big[6:], global_shape=(9, 4), offsets=(6, 0))])
-    w.write_rank(1, [shardfmt.ShardData(fqn="big", data=big[3:6], global_shape=(9, 4), offsets=(3, 0))])
+                 + [shardfmt.saving.writer.ShardData(fqn="big", data=big[:3], global_shape=(9, 4), offsets=(0, 0)),
+                    shardfmt.saving.writer.ShardData(fqn="big", data=big[6:], global_shape=(9, 4), offsets=(6, 0))])
+    w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="big", data=big[3:6], global_shape=(9, 4), offsets=(3, 0))])
     m = w.commit()
     seen = {}
     for fname in m.files:
@@ -226,7 +227,7 @@ def test_every_shard_file_opens_with_safetensors(ckpt_dir):
 
 def test_dtype_mismatch_needs_cast(ckpt_dir):
     shardfmt.save({"w": torch.randn(4, 4)}, ckpt_dir)
-    with pytest.raises(shardfmt.DTypeError, match="w"):
+    with pytest.raises(shardfmt.errors.DTypeError, match="w"):
         shardfmt.load({"w": torch.zeros(4, 4, dtype=torch.bfloat16)}, ckpt_dir)
     out = torch.zeros(4, 4, dtype=torch.float64)
     shardfmt.load({"w": out}, ckpt_dir, cast=True)
@@ -237,16 +238,16 @@ def test_dtype_mismatch_needs_cast(ckpt_dir):
 
 def test_shape_mismatch_and_missing_keys(ckpt_dir):
     shardfmt.save({"w": torch.randn(4, 4), "v": 3}, ckpt_dir)
-    with pytest.raises(shardfmt.ShapeError, match="w"):
+    with pytest.raises(shardfmt.errors.ShapeError, match="w"):
         shardfmt.load({"w": torch.zeros(4, 5)}, ckpt_dir)
-    with pytest.raises(shardfmt.MissingKeyError, match="nope"):
+    with pytest.raises(shardfmt.errors.MissingKeyError, match="nope"):
         shardfmt.load({"w": torch.zeros(4, 4), "nope": torch.zeros(1)}, ckpt_dir)
     rep = shardfmt.load({"w": torch.zeros(4, 4), "nope": torch.zeros(1)}, ckpt_dir, strict=False)
     assert rep.missing == ("nope",) and rep.unexpected == ("v",)
 
 
 def test_unsupported_dtype_is_named(ckpt_dir):
-    with pytest.raises(shardfmt.DTypeError, match="z"):
+    with pytest.raises(shardfmt.errors.DTypeError, match="z"):
         shardfmt.save({"z": torch.zeros(2, dtype=torch.complex128)}, ckpt_dir)
 
 
@@ -254,8 +255,8 @@ def test_deterministic_bytes(tmp_path):
     import datetime as dt
 
     sd = {"a": torch.arange(10.0), "b": {"c": torch.ones(3, dtype=torch.int8)}, "v": (1, 2)}
-    kw = dict(_save_id="fixed", _clock=lambda: dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
-              _writer_versions={"shardfmt": "x"})
+    kw = dict(options=SaveOptions(_seams=Seams(save_id="fixed", writer_versions={"shardfmt": "x"},
+                                               clock=lambda: dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc))))
     shardfmt.save(sd, str(tmp_path / "one"), **kw)
     shardfmt.save(sd, str(tmp_path / "two"), **kw)
     for name in ("manifest.json", "COMMITTED", "data/rank_00000.safetensors"):
@@ -267,7 +268,7 @@ def test_per_rank_value_comes_back(ckpt_dir):
     out = {"rng": None}
     shardfmt.load(out, ckpt_dir)
     assert out["rng"] == (1, 2, 3)
-    with pytest.raises(shardfmt.StateDictError, match="rank=1 is not a rank of the job"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="rank=1 is not a rank of the job"):
         shardfmt.load({"rng": None}, ckpt_dir, rank=1)
 
 
@@ -295,19 +296,19 @@ def test_integers_at_the_format_limit(ckpt_dir):
     out = {"n": None}
     shardfmt.load(out, ckpt_dir)
     assert out["n"] == ok
-    with pytest.raises(shardfmt.EncodingError, match="more than 4300 characters"):
+    with pytest.raises(shardfmt.errors.EncodingError, match="more than 4300 characters"):
         shardfmt.save({"n": -(10 ** 4299)}, ckpt_dir + "_2")
 
 
 def test_a_nested_tensor_is_a_typed_error(ckpt_dir):
     nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
-    with pytest.raises(shardfmt.StateDictError, match="w: nested tensors cannot be saved"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="w: nested tensors cannot be saved"):
         shardfmt.save({"w": nt}, ckpt_dir)
 
 
 def test_a_value_inside_a_tuple_is_refused_before_anything_is_read(ckpt_dir):
     shardfmt.save({"x": (torch.ones(2), 5)}, ckpt_dir)
     out = {"x": (torch.zeros(2), 0)}
-    with pytest.raises(shardfmt.StateDictError, match="x.1: cannot replace a value inside an immutable tuple"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="x.1: cannot replace a value inside an immutable tuple"):
         shardfmt.load(out, ckpt_dir)
     assert out["x"][0].tolist() == [0.0, 0.0]

@@ -23,6 +23,7 @@ import torch
 import shardfmt
 from shardfmt.cli import main as shardfmt_main
 from shardfmt.errors import AccessDeniedError, CheckpointExistsError, CommitError, StorageError
+from shardfmt.saving.options import SaveOptions, Seams
 from tests import s3_server
 from tests.conftest import bytes_equal
 from tests.distributed.harness import check_all_ok, launch
@@ -71,9 +72,9 @@ def test_save_and_load_round_trip_with_multipart_parts(server, bucket):
     url = f"{bucket}/run/step_1"
     state = _state()
     server.reset_stats()
-    before = shardfmt.io_stats()
+    before = shardfmt.io.storage.io_stats()
     shardfmt.save(state, url, step=1, storage_options={"part_size": 5 << 20})
-    after, st = shardfmt.io_stats(), server.stats()
+    after, st = shardfmt.io.storage.io_stats(), server.stats()
     assert st["by_method"].get("POST", 0) >= 2, "an 8 MiB file in 5 MiB parts is a multipart upload"
     # what the client counts is what the server saw (PUTs and multipart POSTs; bodies)
     assert after["write_requests"] - before["write_requests"] == st["by_method"]["PUT"] + st["by_method"]["POST"]
@@ -289,7 +290,7 @@ def test_archive_failures_are_retried_reported_and_never_raised(server, bucket, 
     assert ck.latest().endswith("step_000000001"), "training's own checkpoint is unaffected"
     assert len(ck.archive_errors) == 1 and "s3://no-such-bucket-here/a/step_000000001" in ck.archive_errors[0]
     assert "bucket does not exist" in ck.archive_errors[0]
-    assert sum("retrying" in str(w.message) for w in caught) == ck.archive_attempts - 1
+    assert sum("retrying" in str(w.message) for w in caught) == ck.options.archive.attempts - 1
 
 
 def test_missing_bucket_and_unreachable_endpoint_fail_fast_with_the_url(server):
@@ -349,7 +350,7 @@ def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
             fs.rm(fs.find(url[5:] + "/data"))
 
     with pytest.raises(CommitError, match="vanished"):
-        shardfmt.save(_state(rows=64), url, _on_step=collector_strikes)
+        shardfmt.save(_state(rows=64), url, options=SaveOptions(_seams=Seams(on_step=collector_strikes)))
     assert not fs.exists(url[5:] + "/COMMITTED")
 
 
@@ -367,8 +368,8 @@ def test_a_save_that_outlived_its_lease_never_replaces_the_save_that_took_over(s
             for key in fs.find(other[5:]):
                 fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
 
-    with pytest.raises(shardfmt.CheckpointExistsError):
-        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+    with pytest.raises(shardfmt.errors.CheckpointExistsError):
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, options=SaveOptions(_seams=Seams(on_step=takeover)))
     assert shardfmt.validate(url, deep=True).ok
     back = _empty_like(newer)
     shardfmt.load(back, url)
@@ -390,8 +391,8 @@ def test_a_save_that_outlived_its_lease_never_deletes_the_save_in_progress_that_
                 if not key.endswith("/COMMITTED"):
                     fs.pipe_file(url[5:] + key[len(other[5:]):], fs.cat_file(key))
 
-    with pytest.raises((shardfmt.CheckpointExistsError, CommitError)):
-        shardfmt.save(_state(seed=2, rows=64), url, step=1, _on_step=takeover)
+    with pytest.raises((shardfmt.errors.CheckpointExistsError, CommitError)):
+        shardfmt.save(_state(seed=2, rows=64), url, step=1, options=SaveOptions(_seams=Seams(on_step=takeover)))
     theirs = sorted(k[len(other[5:]):] for k in fs.find(other[5:]) if not k.endswith("/COMMITTED"))
     assert sorted(k[len(url[5:]):] for k in fs.find(url[5:])) == theirs  # none of the newer save's removed
     fs.pipe_file(url[5:] + "/COMMITTED", fs.cat_file(other[5:] + "/COMMITTED"))  # the newer save commits
@@ -412,17 +413,19 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     from shardfmt.saving.writer import CheckpointWriter, ShardData
 
     st, path = get_storage(f"{bucket}/stale/step_000000001", {"lease_seconds": 2})
-    a = CheckpointWriter(path, storage=st)  # stalls past its 2 s lease from here on
+    a = CheckpointWriter(path, storage=st)
+    a.stage()  # stalls past its 2 s lease from here on
     a.write_rank(0, [ShardData(fqn="w", data=torch.ones(8), global_shape=(8,), offsets=(0,))])
     st.remove_tree(path)  # the newer save's collector cleared the expired prefix ...
-    b = CheckpointWriter(path, storage=st)  # ... and the newer save took it
+    b = CheckpointWriter(path, storage=st)
+    b.stage()  # ... and the newer save took it
     time.sleep(1.5)  # a's heartbeats (every 0.5 s) find b's lease
     assert lease_owner(st, path) == b.save_id
     with pytest.raises(CommitError, match="lease was collected or taken over"):
         a.commit(step=1)
     assert lease_owner(st, path) == b.save_id
     with pytest.raises(CheckpointExistsError, match="in progress"):
-        CheckpointWriter(path, storage=st)
+        CheckpointWriter(path, storage=st).stage()
     b.write_rank(0, [ShardData(fqn="w", data=torch.full((8,), 2.0), global_shape=(8,), offsets=(0,))])
     b.commit(step=1)
     got = {"w": torch.zeros(8)}
@@ -545,7 +548,7 @@ def test_a_save_never_deletes_what_is_not_a_dead_save(server, bucket):
     assert shardfmt.validate(f"{bucket}/exp1").ok and fs.exists(f"{bucket[5:]}/models/llama/weights.bin")
     with pytest.raises(StorageError, match="part_size"):
         shardfmt.save({"x": torch.ones(2)}, f"{bucket}/y", storage_options={"part_size": "8MiB"})
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match="bucket"):  # a misspelled bucket is not "no
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match="bucket"):  # a misspelled bucket is not "no
         shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({})  # checkpoints yet"
 
 
@@ -559,7 +562,7 @@ def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, 
         assert shardfmt.Checkpointer(f"{bucket}/fresh").restore({"m": m}) is None
     assert any(f"{bucket}/fresh" in r.getMessage() and "first run" in r.getMessage() for r in caplog.records)
     missing = r"s3://no-such-bucket-zz/run: the Checkpointer root does not exist, nor does its bucket s3://no-such-bucket-zz"
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=missing):
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=missing):
         shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL).restore({"m": m})
     with pytest.warns(UserWarning, match=missing + ".*starting from scratch"):
         assert shardfmt.Checkpointer("s3://no-such-bucket-zz/run", storage_options=FAST_FAIL,
@@ -572,9 +575,9 @@ def test_checkpointer_roots_on_s3_follow_the_root_rules(server, bucket, caplog, 
     for step in (1, 2):
         ck.save(step, {"m": m})
     for given in ("step_000000002", "step_000000009"):
-        with pytest.raises(shardfmt.CheckpointNotFoundError, match=f"{root}/{given}: is a checkpoint.*pass its parent {root}$"):
+        with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=f"{root}/{given}: is a checkpoint.*pass its parent {root}$"):
             shardfmt.Checkpointer(f"{root}/{given}").restore({"m": m})
-    with pytest.raises(shardfmt.CheckpointNotFoundError, match=f"{root}: is a checkpoint root holding step_000000001, "
+    with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=f"{root}: is a checkpoint root holding step_000000001, "
                                                                f"step_000000002: pass one of them, e.g. {root}/step_000000002"):
         shardfmt.load({"m": {"weight": torch.zeros(4, 4)}}, root)
 
@@ -588,7 +591,7 @@ def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(se
     marker = f"{root[5:]}/step_000000002/COMMITTED"
     commit = orjson.loads(fs.cat_file(marker))
     fs.pipe_file(marker, orjson.dumps({**commit, "format_version": 2, "manifest_index": {}}))
-    with pytest.raises(shardfmt.FormatVersionError, match=f"{root}/step_000000002 \\(step 2\\): format version 2; "
+    with pytest.raises(shardfmt.errors.FormatVersionError, match=f"{root}/step_000000002 \\(step 2\\): format version 2; "
                                                           "this reader supports up to 1"):
         shardfmt.Checkpointer(root).restore({"m": torch.nn.Linear(4, 4)})
     assert not fs.exists(f"{root[5:]}/step_000000002/QUARANTINED")
@@ -637,5 +640,5 @@ def test_a_data_object_of_another_size_is_refused_even_unverified(server, bucket
     fs.pipe_file(key, raw + b"\0" * 4096 if change == "appended" else raw[:-100])
     for verify in (True, False):
         got = {"a": torch.zeros(1024)}
-        with pytest.raises(shardfmt.IntegrityError, match="the manifest says"):
+        with pytest.raises(shardfmt.errors.IntegrityError, match="the manifest says"):
             shardfmt.load(got, url, strict=False, verify=verify)

@@ -8,7 +8,7 @@ import torch
 from shardfmt.errors import StateDictError
 from shardfmt.format import jsonvalue
 from shardfmt.format.manifest import MAX_STEP
-from shardfmt.saving.distributed import (
+from shardfmt.saving.agreement import (
     AGREE_BUCKETS,
     Agreement,
     agreement_vector,

@@ -158,7 +158,7 @@ def _target() -> dict:
 def test_load_refuses_it_unread(broken, verify):
     out = _target()
     with never_waits(broken.fifos, "load") as waited:
-        with pytest.raises(shardfmt.SpecialFileError, match=broken.match):
+        with pytest.raises(shardfmt.errors.SpecialFileError, match=broken.match):
             shardfmt.load(out, broken.ckpt, verify=verify, strict=False)
     assert not waited
     if broken.member.startswith("data"):
@@ -211,7 +211,7 @@ def test_archive_copy_refuses_it(broken, tmp_path):
     dst = str(tmp_path / "archive" / STEP2)
     local = LocalStorage()
     with never_waits(broken.fifos, "archive copy") as waited:
-        with pytest.raises(shardfmt.SpecialFileError, match=broken.match):
+        with pytest.raises(shardfmt.errors.SpecialFileError, match=broken.match):
             copy_checkpoint(local, broken.ckpt, local, dst)
     assert not waited
     assert not os.path.exists(os.path.join(dst, "COMMITTED"))
@@ -239,7 +239,7 @@ def test_a_socket_is_an_invalid_checkpoint_not_a_storage_failure(root, monkeypat
     monkeypatch.chdir(ckpt)  # a short name to bind (AF_UNIX paths are short)
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind("COMMITTED")
-        with pytest.raises(shardfmt.SpecialFileError, match="COMMITTED: is a socket, not a regular file"):
+        with pytest.raises(shardfmt.errors.SpecialFileError, match="COMMITTED: is a socket, not a regular file"):
             shardfmt.load(_target(), ckpt, strict=False)
         assert shardfmt_main(["validate", ckpt]) == 1
         assert "is a socket" in capsys.readouterr().out
@@ -258,7 +258,7 @@ def test_verify_false_never_reads_an_outside_file_into_the_tensor(root, tmp_path
         f.seek(size - 32 * 64 * 4 - 32 * 4)
         f.write(b"\x7f" * (32 * 64 * 4 + 32 * 4))
     out = _target()
-    with pytest.raises(shardfmt.SpecialFileError, match="data: is a symbolic link"):
+    with pytest.raises(shardfmt.errors.SpecialFileError, match="data: is a symbolic link"):
         shardfmt.load(out, ckpt, verify=False, strict=False)
     assert not (out["model.weight"].view(torch.int32) == 0x7F7F7F7F).any()
 
@@ -267,12 +267,12 @@ def test_fsspec_local_urls_take_the_same_checks(root, tmp_path):
     ckpt = os.path.join(root, STEP2)
     fifos = _break(ckpt, "COMMITTED", "fifo", str(tmp_path / "outside"))
     with never_waits(fifos, "load local://") as waited:
-        with pytest.raises(shardfmt.SpecialFileError, match="COMMITTED: is a FIFO"):
+        with pytest.raises(shardfmt.errors.SpecialFileError, match="COMMITTED: is a FIFO"):
             shardfmt.load(_target(), "local://" + ckpt, strict=False)
     assert not waited
     other = os.path.join(root, STEP1)
     _break(other, DATA, "link to an outside copy", str(tmp_path / "outside2"))
-    with pytest.raises(shardfmt.SpecialFileError, match="rank_00000.safetensors: is a symbolic link"):
+    with pytest.raises(shardfmt.errors.SpecialFileError, match="rank_00000.safetensors: is a symbolic link"):
         shardfmt.load(_target(), "local://" + other, strict=False, verify=False)
 
 

@@ -212,7 +212,7 @@ def test_a_fresh_optimizers_state_dict_is_refused_naming_what_the_checkpoint_hol
     opt = torch.optim.Adam(model.parameters(), **adam)
     leaf = "optim.state" if lr == "tensor" else "optim"
     n = 6 if lr == "tensor" else 7  # 2 parameters x (exp_avg, exp_avg_sq, step), + param_groups
-    with pytest.raises(shardfmt.StateDictError,
+    with pytest.raises(shardfmt.errors.StateDictError,
                        match=rf": {leaf}: the checkpoint holds {n} entries under this name "
                              rf"\({leaf}\.[^)]*\);.*shardfmt\.get_state_dict\(model, optimizer\)"):
         shardfmt.load({"model": model.state_dict(), "optim": opt.state_dict()}, path, strict=strict)
@@ -227,7 +227,7 @@ def test_a_value_saved_whole_is_not_missing_under_its_parts(tmp_path):
     path = str(tmp_path / "c")
     shardfmt.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
     for strict in (True, False):
-        with pytest.raises(shardfmt.StateDictError, match=r"optim\.param_groups: the checkpoint holds optim as one value"):
+        with pytest.raises(shardfmt.errors.StateDictError, match=r"optim\.param_groups: the checkpoint holds optim as one value"):
             shardfmt.load(shardfmt.get_state_dict(model, opt), path, strict=strict)
 
 
@@ -240,7 +240,7 @@ def test_optimizer_state_saved_by_parameter_index_is_refused_not_dropped(tmp_pat
     state = shardfmt.get_state_dict(model, opt)
     report = shardfmt.load(state, path)
     assert "optim.state.0.exp_avg" in report.unexpected
-    with pytest.raises(shardfmt.StateDictError, match="names its parameters by index"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="names its parameters by index"):
         shardfmt.set_state_dict(model, opt, state)
     assert not opt.state
 

@@ -31,7 +31,7 @@ class IOStats:
     """Counters of storage traffic (requests and bytes), safe to update from threads.
 
     Every storage's counters also feed ``PROCESS_IO``, the process's totals
-    (``shardfmt.io_stats()``): snapshot it before and after a save or load to see its traffic.
+    (``shardfmt.io.storage.io_stats()``): snapshot it before and after a save or load to see its traffic.
     """
 
     read_requests: int = 0

@@ -1,18 +1,14 @@
-"""Writing checkpoints: a streaming shard-file writer and the low-level CheckpointWriter.
+"""The low-level CheckpointWriter: the files of any number of ranks from one process, one commit.
 
-``write_shard_file`` streams tensors into one safetensors file: the header is computed
-up front from shapes and dtypes, then each tensor's memory is hashed and written piece by
-piece (no file image in memory, no second pass). ``CheckpointWriter`` lets one process
-write the files of any number of ranks, then ``commit`` builds the manifest and runs the
-commit protocol; ``shardfmt.save`` and the offline tools are built on it.
+``shardfmt.save`` (rank 0 of every save), the offline tools (convert, DCP import) and the
+tests build checkpoints with it. Constructing one does no I/O; staging happens in ``stage``
+(called by the first write if not before), so a writer can be made, passed around and
+configured before it touches the destination.
 """
 
 from __future__ import annotations
 
-import bisect
 import datetime as _dt
-import math
-import os
 import platform
 import threading
 import uuid
@@ -25,8 +21,8 @@ import torch
 
 from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
-from shardfmt.errors import CommitError, ShapeError, ShardfmtError, StateDictError
-from shardfmt.format import hashing, jsonvalue
+from shardfmt.errors import CommitError, ShapeError, StateDictError
+from shardfmt.format import jsonvalue
 from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.manifest import (
     FileRecord,
@@ -40,18 +36,20 @@ from shardfmt.format.manifest import (
     check_step,
     rank_file_name,
 )
-from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_header, encode_origins
-from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
-from shardfmt.io import aligned
-from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.registry import get_storage
 from shardfmt.io.storage import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
-
-Clock = Callable[[], _dt.datetime]
-_OVERLAP_MIN = 1 << 20  # pieces at least this large are hashed on a helper thread during the write
-DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a time (a multiple of chunks)
+from shardfmt.saving.messages import WrittenFile
+from shardfmt.saving.options import SaveOptions
+from shardfmt.saving.shard_file import (
+    ShardData,
+    ShardSpec,
+    ShardStream,
+    default_write_workers,
+    file_order,
+    write_shard_file,
+)
 
 
 def default_writer_versions() -> dict[str, str]:
@@ -67,406 +65,6 @@ def format_time(t: _dt.datetime) -> str:
 
 def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
-
-
-def _check_slice(fqn: str, shape: tuple[int, ...], offsets: tuple[int, ...], global_shape: tuple[int, ...]) -> None:
-    if len(shape) != len(global_shape) or len(offsets) != len(shape):
-        raise ShapeError(f"{fqn}: local shape {list(shape)}, offsets {list(offsets)} and "
-                         f"global shape {list(global_shape)} differ in rank")
-    for d, (o, n, g) in enumerate(zip(offsets, shape, global_shape)):
-        if o < 0 or o + n > g:
-            raise ShapeError(f"{fqn}: dim {d}: slice [{o}, {o + n}) is outside the global size {g}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardSpec:
-    """One slice a data file will hold, without its data: what a streaming writer lays out
-    up front (``shape`` is the slice's local shape, ``dtype`` the dtype it is written in)."""
-
-    fqn: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    placement: Placement | None = None
-
-    def __post_init__(self) -> None:
-        _check_slice(self.fqn, tuple(self.shape), tuple(self.offsets), tuple(self.global_shape))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ShardData:
-    """One slice of a global tensor to write: its data and where it sits globally."""
-
-    fqn: str
-    data: torch.Tensor
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    placement: Placement | None = None
-    # Called before ``data`` is read (async saves: waits until the snapshot's copy of this piece landed).
-    ready: Callable[[], None] | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        _check_slice(self.fqn, tuple(self.data.shape), tuple(self.offsets), tuple(self.global_shape))
-
-    def spec(self) -> ShardSpec:
-        return ShardSpec(fqn=self.fqn, dtype=self.data.dtype, shape=tuple(self.data.shape),
-                         global_shape=tuple(self.global_shape), offsets=tuple(self.offsets),
-                         placement=self.placement)
-
-
-def file_order(shards: Sequence) -> list:
-    """Return ``shards`` (ShardData or ShardSpec) in data-file order: element size descending,
-    then record name, then offsets (spec section 3), so every tensor starts aligned."""
-
-    def key(s):
-        isz = s.data.element_size() if isinstance(s, ShardData) else s.dtype.itemsize
-        return (-isz, s.fqn, tuple(s.offsets))
-
-    return sorted(shards, key=key)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WrittenFile:
-    """What writing one file produced: its record and the shard records inside it."""
-
-    name: str
-    record: FileRecord
-    shards: tuple[tuple[str, ShardRecord], ...]  # (fqn, shard)
-
-
-def _file_keys(shards: Sequence[ShardData]) -> list[str]:
-    counts: dict[str, int] = {}
-    for s in shards:
-        counts[s.fqn] = counts.get(s.fqn, 0) + 1
-    return [s.fqn if counts[s.fqn] == 1 else f"{s.fqn}@{','.join(map(str, s.offsets))}" for s in shards]
-
-
-def write_shard_file(
-    storage: Storage,
-    directory: str,
-    name: str,
-    rank: int,
-    shards: Sequence[ShardData],
-    *,
-    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
-    sync: bool = True,
-    workers: int = 1,
-    part_size: int = DEFAULT_PART_SIZE,
-) -> WrittenFile:
-    """Write ``shards`` (in the given order) into ``directory/name``, hashing chunks as they are written.
-
-    With ``workers > 1`` on a storage with positional writes, and every shard's memory
-    contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
-    threads write and hash independently, straight from tensor memory. A durable write
-    (``sync``) of a file larger than a part goes around the page cache where the storage can
-    (``O_DIRECT``, on ``aligned.MIN_THREADS`` threads at least). Otherwise the file is
-    streamed in order, hashing each piece on a helper thread while the OS writes it.
-    """
-    if part_size % chunk_size or part_size <= 0:
-        raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
-    header = _shard_header(name, rank, [s.spec() for s in shards])
-    path = storage.join(directory, name)
-    w = storage.open_writer(path)
-    try:
-        segments = _direct_segments(header, shards)
-        parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
-        # durable writes of a large file bypass the page cache where the filesystem allows, on
-        # MIN_THREADS at least: they mostly wait on the device, and keep its queue full
-        direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
-        if direct or (parts and workers > 1):
-            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
-                                         workers=max(workers, aligned.MIN_THREADS) if direct else workers, direct=direct)
-        else:
-            chunks, total = _write_stream(w, header.data, shards, chunk_size)
-    except BaseException:
-        w.abort()
-        raise
-    w.close(sync=sync)
-    if total != header.file_size:
-        raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
-    return _written_file(name, rank, header, shards, chunks, chunk_size)
-
-
-def _shard_header(name: str, rank: int, specs: Sequence[ShardSpec]) -> EncodedHeader:
-    """Lay out a shardfmt data file holding ``specs`` in the given order (keys, header, origins)."""
-    keys = _file_keys(specs)
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise StateDictError(f"{name}: safetensors key(s) {dup[:3]} would name two entries (two shards of one "
-                             "tensor at the same offsets, or a tensor whose name looks like 'fqn@offsets')")
-    return encode_header(
-        [(k, dtype_code(s.dtype, what=s.fqn), tuple(s.shape)) for k, s in zip(keys, specs)],
-        metadata={"format": "shardfmt", "rank": str(rank),
-                  "shards": encode_origins({k: ShardOrigin(fqn=s.fqn, offsets=tuple(s.offsets),
-                                                           global_shape=tuple(s.global_shape))
-                                            for k, s in zip(keys, specs)})},
-    )
-
-
-def _written_file(name: str, rank: int, header: EncodedHeader, shards: Sequence, chunks: Sequence[str],
-                  chunk_size: int) -> WrittenFile:
-    """The file record and shard records of a data file written from ``header``."""
-    chunks = tuple(chunks)
-    record = FileRecord(rank=rank, size=header.file_size, header_size=len(header.data),
-                        header_digest=hashing.digest_bytes(header.data), chunks=chunks,
-                        digest=hashing.combine(chunks))
-    shard_records = []
-    for entry, s in zip(header.entries, shards):
-        span = hashing.chunk_span(entry.start, entry.end, chunk_size)
-        shard_records.append((s.fqn, ShardRecord(
-            offsets=tuple(s.offsets), lengths=tuple(entry.shape), file=name, key=entry.key,
-            byte_range=(entry.start, entry.end), digest=hashing.combine(chunks[span.start:span.stop]),
-        )))
-    return WrittenFile(name=name, record=record, shards=tuple(shard_records))
-
-
-class _OrderedHasher:
-    """Write a file's bytes in order, hashing chunks in the same pass: a helper thread hashes
-    each large piece while the OS writes it (both drop the GIL: ~max(write, hash), not the sum).
-    ``write`` returns only when its bytes are written and hashed, so the caller may reuse them."""
-
-    def __init__(self, w, chunk_size: int, *, hash_pool: ThreadPoolExecutor | None = None) -> None:
-        self._w = w
-        self.hasher = hashing.ChunkHasher(chunk_size)
-        self._pool = hash_pool
-        self._own_pool = hash_pool is None
-
-    def write(self, data) -> None:
-        mv = memoryview(data).cast("B")
-        for pos in range(0, len(mv), DEFAULT_PIECE_BYTES):
-            piece = mv[pos : pos + DEFAULT_PIECE_BYTES]
-            if len(piece) < _OVERLAP_MIN:
-                self.hasher.update(piece)
-                self._w.write(piece)
-                continue
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-hash")
-            pending = self._pool.submit(self.hasher.update, piece)
-            try:
-                self._w.write(piece)
-            finally:
-                pending.result()
-
-    def finish(self) -> tuple[list[str], int]:
-        self.shutdown()
-        return self.hasher.finish(), self.hasher.total
-
-    def shutdown(self) -> None:
-        if self._own_pool and self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_size: int) -> tuple[list[str], int]:
-    """Write the file in order, hashing as it goes."""
-    out = _OrderedHasher(w, chunk_size)
-    try:
-        out.write(header_bytes)
-        for s in shards:
-            if s.ready is not None:
-                s.ready()
-            for piece in byte_pieces(s.data):
-                out.write(piece)
-    finally:
-        out.shutdown()
-    return out.finish()
-
-
-class FileStream:
-    """Write one safetensors file whose bytes arrive in order, in pieces of any size.
-
-    Protocol::
-
-        1) f = FileStream(storage, path, header)   opens the file, writes + hashes the header
-        2) f.write(bytes) ...                     exactly the data section, in header order
-        3) chunks, size = f.close()               checks every promised byte arrived, syncs
-        (on any failure: f.abort())
-
-    Chunk digests are computed while writing (no second pass); ``write`` returns once its
-    bytes are written and hashed, so a caller can refill the same buffer at once.
-    """
-
-    def __init__(self, storage: Storage, path: str, header: EncodedHeader, *,
-                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
-                 hash_pool: ThreadPoolExecutor | None = None) -> None:
-        self.path = path
-        self.header = header
-        self._sync = sync
-        self._w = storage.open_writer(path)
-        self._out = _OrderedHasher(self._w, chunk_size, hash_pool=hash_pool)
-        self._done = False
-        try:
-            self._out.write(header.data)
-        except BaseException:
-            self.abort()
-            raise
-
-    @property
-    def written(self) -> int:
-        return self._out.hasher.total
-
-    def write(self, data) -> None:
-        n = memoryview(data).nbytes
-        if self.written + n > self.header.file_size:
-            self.abort()
-            raise CommitError(f"{self.path}: {self.written + n} bytes written, the header promised "
-                              f"{self.header.file_size}")
-        try:
-            self._out.write(data)
-        except BaseException:
-            self.abort()
-            raise
-
-    def close(self) -> tuple[tuple[str, ...], int]:
-        if self.written != self.header.file_size:
-            self.abort()
-            raise CommitError(f"{self.path}: closed after {self.written} bytes, the header promised "
-                              f"{self.header.file_size}")
-        chunks, total = self._out.finish()
-        self._done = True
-        self._w.close(sync=self._sync)
-        return tuple(chunks), total
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        self._out.shutdown()
-        self._w.abort()
-
-
-class ShardStream:
-    """Stream one shardfmt data file holding ``specs`` (in file order): the header (with the
-    ``shards`` origins of spec section 3) is written up front, the slices' bytes arrive through
-    ``write`` in that order, and ``close`` returns the file's records (calling ``on_close``)."""
-
-    def __init__(self, storage: Storage, directory: str, name: str, rank: int, specs: Sequence[ShardSpec], *,
-                 chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
-                 hash_pool: ThreadPoolExecutor | None = None,
-                 on_close: Callable[[WrittenFile], None] | None = None) -> None:
-        self.name = name
-        self.rank = rank
-        self.specs = tuple(specs)
-        self._chunk_size = chunk_size
-        self._on_close = on_close
-        header = _shard_header(name, rank, self.specs)
-        self._file = FileStream(storage, storage.join(directory, name), header, chunk_size=chunk_size,
-                                sync=sync, hash_pool=hash_pool)
-
-    def write(self, data) -> None:
-        self._file.write(data)
-
-    def close(self) -> WrittenFile:
-        chunks, _ = self._file.close()
-        written = _written_file(self.name, self.rank, self._file.header, self.specs, chunks, self._chunk_size)
-        if self._on_close is not None:
-            self._on_close(written)
-        return written
-
-    def abort(self) -> None:
-        self._file.abort()
-
-
-def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, memoryview, Callable | None]] | None:
-    """(file offset, bytes, ready) of the header and every shard, when all are zero-copy views; else None."""
-    segments = [(0, memoryview(header.data), None)]
-    for entry, s in zip(header.entries, shards):
-        if s.data.numel() == 0:
-            continue
-        if not is_direct(s.data):
-            return None
-        segments.append((entry.start, byte_view(s.data), s.ready))
-    return segments
-
-
-def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], file_size: int, *, chunk_size: int,
-                 part_size: int, workers: int, direct: bool = False) -> tuple[list[str], int]:
-    """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads.
-
-    ``direct``: ``w`` has an ``O_DIRECT`` handle and ``part_size`` is a multiple of
-    ``DIRECT_ALIGN``. The parts are then written in aligned blocks: straight from the tensors'
-    memory where it is aligned alike, else gathered into a reused page-aligned bounce buffer per
-    thread (a memcpy at memory speed, instead of the kernel's copy into page-cache pages it must
-    first allocate). Only the file's last block is padded; the file is then trimmed to its size.
-    """
-    starts = [off for off, _, _ in segments]
-    bounce_size = aligned.bounce_size(file_size, cap=aligned.MAX_BLOCK)
-
-    def part(lo: int) -> tuple[list[str], int]:
-        hi = min(lo + part_size, file_size)
-        hasher = hashing.ChunkHasher(chunk_size)  # parts start on chunk boundaries: their chunks are the file's
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
-        if direct:
-            with aligned.POOL.buffer(bounce_size) as bounce:
-                pos = lo
-                while pos < hi:
-                    end = min(pos + len(bounce.mv), hi)
-                    i, block = _gather(segments, i, pos, end, bounce)
-                    hasher.update(block[:end - pos])
-                    w.pwrite_block(pos, block, end - pos)
-                    pos = end
-            return hasher.finish(), hasher.total
-        pos = lo
-        while pos < hi:
-            off, mv, ready = segments[i]
-            a, b = max(pos - off, 0), min(hi - off, len(mv))
-            if off > pos or a >= b:
-                raise CommitError(f"internal: no data for byte {pos} of the file")
-            if ready is not None:
-                ready()
-            piece = mv[a:b]
-            w.pwrite(off + a, piece)
-            hasher.update(piece)
-            pos = off + b
-            i += 1
-        w.start_writeback(lo, hi - lo)
-        return hasher.finish(), hasher.total
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-write") as pool:
-        results = list(pool.map(part, range(0, file_size, part_size)))
-    if direct:
-        w.truncate(file_size)  # drop the last block's padding
-    return [d for digests, _ in results for d in digests], sum(n for _, n in results)
-
-
-def _gather(segments: list[tuple[int, memoryview, Callable | None]], i: int, pos: int, end: int,
-            bounce: aligned.Bounce) -> tuple[int, memoryview]:
-    """The file's bytes ``[pos, end)`` as one aligned block, padded to a whole ``DIRECT_ALIGN``
-    multiple, and the index of the segment holding byte ``end``. ``segments[i]`` holds ``pos``.
-    A block inside one segment whose memory is aligned alike is that memory (no copy);
-    anything else is copied into ``bounce``."""
-    off, mv, ready = segments[i]
-    n = end - pos
-    if off <= pos and end <= off + len(mv) and n % DIRECT_ALIGN == 0 and address(mv, pos - off) % DIRECT_ALIGN == 0:
-        if ready is not None:
-            ready()
-        return (i + 1 if end == off + len(mv) else i), mv[pos - off:end - off]
-    p = pos
-    while p < end:
-        off, mv, ready = segments[i]
-        a, b = p - off, min(end - off, len(mv))
-        if a < 0 or a >= b:
-            raise CommitError(f"internal: no data for byte {p} of the file")
-        if ready is not None:
-            ready()
-        aligned.copy(bounce.address + (p - pos), address(mv, a), b - a)
-        p = off + b
-        if b == len(mv):
-            i += 1
-    padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
-    bounce.mv[n:padded] = bytes(padded - n)
-    return i, bounce.mv[:padded]
-
-
-def default_write_workers() -> int:
-    """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(4, (os.cpu_count() or 1) // local))
 
 
 @dataclass
@@ -515,7 +113,9 @@ class CheckpointWriter:
 
     Protocol::
 
-        1) w = CheckpointWriter(path, ...)        checks the destination, stages a temp dir
+        1) w = CheckpointWriter(path, ...)        no I/O: where and how to write
+           w.stage()                              checks the destination, stages a temp dir
+                                                  (the first write or the commit does it if not called)
         2) w.write_rank(rank, shards) per file    streams + hashes each file
            (or s = w.stream_rank(rank, specs); s.write(bytes)...; s.close(): data fed in pieces)
         3) w.add_alias / add_view / add_value     non-shard records
@@ -532,35 +132,33 @@ class CheckpointWriter:
         path: str,
         *,
         storage: Storage | None = None,
-        storage_options: dict | None = None,
-        overwrite: bool = False,
-        save_id: str | None = None,
-        clock: Clock | None = None,
-        writer_versions: Mapping[str, str] | None = None,
-        chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
-        sync: bool = True,
-        on_step: _commit.StepHook | None = None,
+        options: SaveOptions | None = None,
         lease_seconds: float | None = None,
-        write_workers: int | None = None,
-        part_size: int = DEFAULT_PART_SIZE,
         check_staged: Callable[[Storage, str], None] | None = None,
+        **knobs: Any,
     ) -> None:
-        if not 4096 <= chunk_size <= 1 << 30:
-            raise CommitError(f"chunk_size {chunk_size} is outside [4096, 2^30]")
+        """No I/O: ``options`` (with any ``SaveOptions`` field given as a keyword, e.g.
+        ``chunk_size=4096``) say how to write; ``stage()`` touches the destination."""
+        opts = SaveOptions.merged(options, **knobs)
+        if not 4096 <= opts.chunk_size <= 1 << 30:
+            raise CommitError(f"chunk_size {opts.chunk_size} is outside [4096, 2^30]")
         if storage is None:
-            storage, path = get_storage(path, storage_options)
+            storage, path = get_storage(path, opts.storage_options)
+        seams = opts.seams
         self.storage = storage
         self.path = path
-        self.save_id = save_id or new_save_id()
-        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
-        self._writer_versions = dict(writer_versions) if writer_versions is not None else default_writer_versions()
-        self.chunk_size = chunk_size
-        self._sync = sync
-        self.write_workers = write_workers or default_write_workers()
-        self.part_size = part_size
-        self._on_step = on_step
+        self.save_id = seams.save_id or new_save_id()
+        self._clock = seams.clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self._writer_versions = dict(seams.writer_versions) if seams.writer_versions is not None \
+            else default_writer_versions()
+        self._on_step = seams.on_step
+        self.chunk_size = opts.chunk_size
+        self._sync = opts.sync
+        self.write_workers = opts.write_workers or default_write_workers()
+        self.part_size = opts.part_size
         self._check_staged = check_staged
-        self._overwrite = overwrite
+        self._overwrite = opts.overwrite
+        self._lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
         self._files: dict[str, FileRecord] = {}
         self._tensors: dict[str, _TensorMeta] = {}
         self._storages: dict[str, _TensorMeta] = {}
@@ -569,11 +167,29 @@ class CheckpointWriter:
         self._values: dict[str, ValueRecord] = {}
         self._streaming: set[str] = set()
         self._done = False
-        lease_seconds = storage.lease_seconds if lease_seconds is None else lease_seconds
-        self.staging = _commit.prepare(storage, path, self.save_id, overwrite=overwrite,
-                                       lease_seconds=lease_seconds)
-        self.name_tag = None if storage.atomic_rename else self.save_id  # data file names (rank_file_name)
-        self._lease = _Lease(storage, self.staging, lease_seconds, self.save_id)
+        self._staging: str | None = None
+        self._lease: _Lease | None = None
+
+    # -- 1) staging
+    def stage(self) -> str:
+        """Check the destination and stage this save (once); return the staging path."""
+        if self._staging is None:
+            if self._done:
+                raise CommitError(f"{self.path}: this writer already finished")
+            self._staging = _commit.prepare(self.storage, self.path, self.save_id, overwrite=self._overwrite,
+                                            lease_seconds=self._lease_seconds)
+            self._lease = _Lease(self.storage, self._staging, self._lease_seconds, self.save_id)
+        return self._staging
+
+    @property
+    def staging(self) -> str:
+        """Where the files are staged (stages the save first if needed)."""
+        return self.stage()
+
+    @property
+    def name_tag(self) -> str | None:
+        """What data file names carry (``rank_file_name``): the save id on object stores."""
+        return None if self.storage.atomic_rename else self.save_id
 
     # -- 2) data files
     def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,
@@ -588,7 +204,7 @@ class CheckpointWriter:
         storage_names = {s.fqn for s in storages}
         self._register([s.spec() for s in ordered], storage_names)
         try:
-            written = write_shard_file(self.storage, self.staging, name, rank, ordered,
+            written = write_shard_file(self.storage, self.stage(), name, rank, ordered,
                                        chunk_size=self.chunk_size, sync=self._sync,
                                        workers=self.write_workers, part_size=self.part_size)
         except BaseException:
@@ -615,7 +231,7 @@ class CheckpointWriter:
             self._streaming.discard(name)
             self._record(written, storage_names)
 
-        return ShardStream(self.storage, self.staging, name, rank, ordered, chunk_size=self.chunk_size,
+        return ShardStream(self.storage, self.stage(), name, rank, ordered, chunk_size=self.chunk_size,
                            sync=self._sync, hash_pool=hash_pool, on_close=on_close)
 
     def _register(self, specs: Sequence[ShardSpec], storage_names: set[str]) -> None:
@@ -717,6 +333,11 @@ class CheckpointWriter:
             self.abort()
             raise CommitError(f"{self.path}: data file(s) {sorted(self._streaming)[:3]} were opened for "
                               "streaming and never closed")
+        try:
+            self.stage()
+        except BaseException:
+            self.abort()
+            raise
         if self._lease.lost:
             self.abort()
             raise CommitError(f"{self.storage.url(self.path)}: this save's lease was collected or taken over by "
@@ -744,6 +365,8 @@ class CheckpointWriter:
         if self._done:
             return
         self._done = True
+        if self._staging is None:
+            return  # never staged: nothing to discard
         self._lease.stop()
         if self.staging != self.path:
             _commit.abort(self.storage, self.staging)
@@ -758,5 +381,5 @@ class CheckpointWriter:
             self.abort()
 
 
-__all__ = ["CheckpointWriter", "FileStream", "ShardData", "ShardSpec", "ShardStream", "WrittenFile", "file_order",
-           "write_shard_file", "ShardfmtError"]
+# ShardData is shard_file's; named here too for ``shardfmt/__init__`` (which imports it from this module).
+__all__ = ["CheckpointWriter", "ShardData", "default_writer_versions", "format_time", "new_save_id"]

@@ -165,7 +165,7 @@ def test_save_errors_raise_on_every_rank_and_commit_nothing(tmp_path):
     for label in ("partial", "replicas", "values", "one_rank_bad_value", "bad_mesh"):
         assert not os.path.exists(tmp_path / label / "COMMITTED"), label
     # PerRank values come back only on the same world size, unless the caller says otherwise
-    with pytest.raises(shardfmt.StateDictError, match="saved by 2 rank"):
+    with pytest.raises(shardfmt.errors.StateDictError, match="saved by 2 rank"):
         shardfmt.load({"rng": shardfmt.PerRank(None)}, str(tmp_path / "perrank"))
     keep = {"rng": shardfmt.PerRank("mine")}
     shardfmt.load(keep, str(tmp_path / "perrank"), per_rank="skip")

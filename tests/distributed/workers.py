@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import shardfmt
 from shardfmt.layout.topology import Mesh
+from shardfmt.saving.options import SaveOptions, Seams
 from tests.distributed.model import check_state, rank_state, specs, truth
 
 JOBS = {}
@@ -195,7 +196,7 @@ def faulty_save(rank, world, args):
     t0 = time.monotonic()
     try:
         shardfmt.save(state, args["path"], timeout=dt.timedelta(seconds=args.get("timeout", 20)))
-    except shardfmt.ShardfmtError as e:
+    except shardfmt.errors.ShardfmtError as e:
         return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
     return {"raised": None, "seconds": time.monotonic() - t0}
 
@@ -213,7 +214,7 @@ def save_errors(rank, world, args):
         try:
             shardfmt.save(state, os.path.join(args["root"], label), timeout=td, **kw)
             out[label] = None
-        except shardfmt.ShardfmtError as e:
+        except shardfmt.errors.ShardfmtError as e:
             out[label] = [type(e).__name__, str(e)]
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -253,7 +254,7 @@ def save_disagree(rank, world, args):
             try:
                 run()
                 raised = None
-            except shardfmt.ShardfmtError as e:
+            except shardfmt.errors.ShardfmtError as e:
                 raised = [type(e).__name__, str(e)]
         out[label] = {"raised": raised, "warnings": [str(w.message) for w in caught]}
 
@@ -350,7 +351,7 @@ def ckpt_torn(rank, world, args):
     """Drill c: step 1 saved; during step 2's save every rank dies after writing its file."""
     import signal
 
-    import shardfmt.saving.distributed as D
+    import shardfmt.saving.protocol as P
     import shardfmt.saving.writer as W
 
     ck = shardfmt.Checkpointer(args["root"])
@@ -363,7 +364,7 @@ def ckpt_torn(rank, world, args):
             return out
         return wrapped
 
-    D.write_shard_file = dying(D.write_shard_file)
+    P.write_shard_file = dying(P.write_shard_file)
     W.write_shard_file = dying(W.write_shard_file)
     if args.get("async"):
         h = ck.save(2, {"rows": RowShard(rank, world, 2)}, async_=True)
@@ -422,7 +423,8 @@ def async_save2(rank, world, args):
     def slow_commit(name):
         if hold["on"] and name == "files_written":
             time.sleep(1.5)
-    h2 = shardfmt.async_save(state, args["path"] + "_b", stager=stager, _on_step=slow_commit)
+    h2 = shardfmt.async_save(state, args["path"] + "_b", stager=stager,
+                            options=SaveOptions(_seams=Seams(on_step=slow_commit)))
     time.sleep(0.3)
     h3 = shardfmt.async_save(state, args["path"] + "_c", stager=stager, policy="skip")
     hold["on"] = False
@@ -438,7 +440,7 @@ def async_save2(rank, world, args):
 def async_snapshot_fails_on_one_rank(rank, world, args):
     """Rank 1's snapshot copy fails; its only piece is replicated and written by rank 0. Every
     rank's save must still fail, fast, naming rank 1, and nothing is committed."""
-    from shardfmt.saving.async_save import StagedCopy
+    from shardfmt.saving.stager import StagedCopy
 
     if rank == 1:
         orig = StagedCopy.run
@@ -454,7 +456,7 @@ def async_snapshot_fails_on_one_rank(rank, world, args):
     try:
         h.wait()
         outcome = "committed"
-    except shardfmt.StateDictError as e:
+    except shardfmt.errors.StateDictError as e:
         outcome = str(e)
     return {"outcome": outcome, "seconds": time.monotonic() - t0}
 

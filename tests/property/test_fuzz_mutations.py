@@ -55,9 +55,11 @@ from hypothesis.control import currently_in_test_context
 from reseal import recommit, reseal
 
 import shardfmt
-from shardfmt import CheckpointWriter, IntegrityError, ShardData, ShardedTensor, ShardfmtError
+from shardfmt import ShardedTensor
+from shardfmt.errors import IntegrityError, ShardfmtError
 from shardfmt.format.manifest import MANIFEST_NAME, parse_manifest
 from shardfmt.layout.geometry import Box, intersect, row_major_strides
+from shardfmt.saving.writer import CheckpointWriter, ShardData
 
 CHUNK_SIZE = 4096
 FILES = ("data/rank_00000.safetensors", "data/rank_00001.safetensors")

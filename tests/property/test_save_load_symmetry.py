@@ -33,7 +33,7 @@ def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
         path = f"{tmp}/ckpt"
         try:
             shardfmt.save(sd, path, **save_kw)
-        except shardfmt.ShardfmtError:
+        except shardfmt.errors.ShardfmtError:
             return False
         what = f"validate of a checkpoint holding {_describe(sd, save_kw)}"
         with deadline(SECONDS, what):
@@ -44,7 +44,7 @@ def assert_round_trip(sd: dict[str, Any], **save_kw: Any) -> bool:
         try:
             with deadline(SECONDS, what.replace("validate", "load", 1)):
                 shardfmt.load(target, path)
-        except shardfmt.ShardfmtError as e:
+        except shardfmt.errors.ShardfmtError as e:
             pytest.fail(f"save committed a checkpoint load refuses: {type(e).__name__}: {str(e)[-200:]}")
         for k, v in sd.items():
             if isinstance(v, torch.Tensor):

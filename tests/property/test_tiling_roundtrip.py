@@ -20,9 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardfmt
-from shardfmt import CheckpointWriter, ShardData, ShardedTensor
+from shardfmt import ShardedTensor
 from shardfmt.layout.geometry import Box
 from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ
+from shardfmt.saving.writer import CheckpointWriter, ShardData
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.uint8, torch.bool,
           torch.float8_e4m3fn)

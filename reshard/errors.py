@@ -1,0 +1,38 @@
+"""The offline tools' errors: each a ``ShardfmtError`` (the CLI's exit 1), and a ``ValueError``
+too where it is a bad argument (the CLI's exit 2).
+
+The tools' errors live here, not in ``shardfmt.errors``: shardfmt never imports reshard.
+"""
+
+from __future__ import annotations
+
+from shardfmt.errors import ShardfmtError
+
+
+class DcpImportError(ShardfmtError):
+    """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
+
+
+class UnsafePickleError(DcpImportError):
+    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""
+
+
+class BudgetError(ShardfmtError, ValueError):
+    """The memory budget is malformed or too small for what must be held at once."""
+
+
+class OverlapError(ShardfmtError, ValueError):
+    """The destination is the source, holds it or lies inside it: writing it would destroy or
+    change what is being read."""
+
+
+class HFError(ShardfmtError):
+    """An HF directory is malformed, or an export cannot be made as asked."""
+
+
+class ConfigError(HFError, ValueError):
+    """The config file given to export (``config=``, ``--config``) cannot be read or is not a
+    JSON object: a bad argument."""
+
+
+__all__ = ["BudgetError", "ConfigError", "DcpImportError", "HFError", "OverlapError", "UnsafePickleError"]

@@ -1,0 +1,216 @@
+"""Typed messages between the ranks of a save, encoded with the manifest's own record codecs.
+
+Every message is a frozen record with ``to_json()`` and a ``from_json(obj, ...)`` decoder.
+The records inside (tensor, view, file and shard records) go on the wire as the manifest
+writes them and come back through the manifest's parsers, with the same validation a
+manifest gets: a rank never accepts a record from another rank that a reader would refuse.
+
+    RankState   step 1/3: what a rank holds (tensor boxes, aliases, views, values)
+    Staged      step 5:   rank 0 staged the checkpoint (save id, staging dir, file name tag)
+    Written     step 6:   the file a rank wrote (its file record and shard records), or none
+    Committed   step 7:   the manifest rank 0 committed
+    RankError   any step: a rank's failure (type and message; the exception itself locally)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardfmt.errors import ShardfmtError
+from shardfmt.format.manifest import (
+    FileRecord,
+    Manifest,
+    Placement,
+    ShardRecord,
+    TensorRecord,
+    _parse_file,
+    _parse_shard,
+    _parse_tensor,
+    parse_file_name,
+    parse_manifest,
+)
+from shardfmt.layout.geometry import Box
+
+MAX_WORLD = 1 << 24  # the manifest's limit on ranks
+
+
+def _where(rank: int, what: str) -> str:
+    return f"(rank {rank}'s {what})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeldTensor:
+    """What one rank holds of one tensor (or storage buffer): its record and its global boxes."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    placement: Placement | None = None
+    storage: bool = False  # a shared buffer (``.storage.*``) that views point into
+    boxes: tuple[Box, ...] = ()
+
+    def record(self) -> TensorRecord:
+        return TensorRecord(dtype=self.dtype, shape=self.shape, placement=self.placement)
+
+    def to_json(self) -> dict:
+        return {"fqn": self.fqn, "record": self.record().to_json(), "storage": self.storage,
+                "boxes": [[list(b.offsets), list(b.lengths)] for b in self.boxes]}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int) -> HeldTensor:
+        fqn = o["fqn"]
+        rec = _parse_tensor(fqn, o["record"], _where(rank, fqn), {})
+        boxes = tuple(_box(b, rec.shape, f"{_where(rank, fqn)}.boxes[{i}]") for i, b in enumerate(o["boxes"]))
+        return cls(fqn=fqn, dtype=rec.dtype, shape=rec.shape, placement=rec.placement, storage=bool(o["storage"]),
+                   boxes=boxes)
+
+
+def _box(v: Any, shape: tuple[int, ...], where: str) -> Box:
+    offsets, lengths = (tuple(int(x) for x in part) for part in v)
+    if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+        raise ShardfmtError(f"{where}: box {list(offsets)}+{list(lengths)} is outside the shape {list(shape)}")
+    return Box(offsets, lengths)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankState:
+    """Step 1: what a rank saves. Values are typed JSON already (a snapshot of the caller's)."""
+
+    rank: int
+    tensors: tuple[HeldTensor, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    views: Mapping[str, TensorRecord] = field(default_factory=dict)  # records with ``view`` set
+    values: Mapping[str, Any] = field(default_factory=dict)
+    per_rank: Mapping[str, Any] = field(default_factory=dict)
+    replica_digests: Mapping[str, str] = field(default_factory=dict)  # "fqn [offsets]+[lengths]" -> digest
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "tensors": [t.to_json() for t in self.tensors], "aliases": dict(self.aliases),
+                "views": {f: r.to_json() for f, r in self.views.items()}, "values": dict(self.values),
+                "per_rank": dict(self.per_rank), "replica_digests": dict(self.replica_digests)}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int) -> RankState:
+        views = {f: _parse_tensor(f, r, _where(rank, f), {}) for f, r in o["views"].items()}
+        if any(r.view is None for r in views.values()):
+            raise ShardfmtError(f"{_where(rank, 'views')}: a view record without a view")
+        return cls(rank=rank, tensors=tuple(HeldTensor.from_json(t, rank=rank) for t in o["tensors"]),
+                   aliases={str(k): str(v) for k, v in o["aliases"].items()}, views=views,
+                   values=o["values"], per_rank=o["per_rank"], replica_digests=o["replica_digests"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Staged:
+    """Step 5: rank 0 staged the checkpoint; every rank names its file as rank 0's writer does."""
+
+    save_id: str
+    staging: str
+    name_tag: str | None
+
+    def to_json(self) -> dict:
+        return {"save_id": self.save_id, "staging": self.staging, "name_tag": self.name_tag}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int = 0) -> Staged:
+        return cls(save_id=str(o["save_id"]), staging=str(o["staging"]),
+                   name_tag=None if o["name_tag"] is None else str(o["name_tag"]))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WrittenFile:
+    """What writing one file produced: its record and the shard records inside it."""
+
+    name: str
+    record: FileRecord
+    shards: tuple[tuple[str, ShardRecord], ...]  # (fqn, shard)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "record": self.record.to_json(),
+                "shards": [[f, s.to_json()] for f, s in self.shards]}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int, tensors: Mapping[str, TensorRecord]) -> WrittenFile:
+        """Decode with the manifest's parsers; ``tensors`` (fqn -> record) give each shard its shape."""
+        name = parse_file_name(o["name"], _where(rank, "file"))
+        rec = _parse_file(o["record"], _where(rank, name), MAX_WORLD)
+        shards = []
+        for i, (fqn, s) in enumerate(o["shards"]):
+            t = tensors.get(fqn)
+            if t is None:
+                raise ShardfmtError(f"{_where(rank, name)}: shard of {fqn!r}, which no rank holds")
+            shards.append((fqn, _parse_shard(s, f"{_where(rank, name)}.shards[{i}]", name=fqn, ndim=len(t.shape),
+                                             shape=t.shape, isz=t.itemsize, files={name: rec})))
+        return cls(name=name, record=rec, shards=tuple(shards))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Written:
+    """Step 6: the file this rank wrote (None: it writes nothing)."""
+
+    file: WrittenFile | None = None
+
+    def to_json(self) -> dict:
+        return {"file": None if self.file is None else self.file.to_json()}
+
+    @classmethod
+    def decoder(cls, tensors: Mapping[str, TensorRecord]):
+        def decode(o: Mapping, *, rank: int) -> Written:
+            f = o["file"]
+            return cls(file=None if f is None else WrittenFile.from_json(f, rank=rank, tensors=tensors))
+        return decode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Committed:
+    """Step 7: the committed manifest."""
+
+    manifest: Manifest
+
+    def to_json(self) -> dict:
+        return {"manifest": self.manifest.to_json().decode()}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int = 0) -> Committed:
+        return cls(manifest=parse_manifest(o["manifest"].encode()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankError:
+    """A rank's failure at some step; ``error`` is the exception itself where it was raised."""
+
+    rank: int
+    kind: str  # the exception's class name
+    message: str
+    error: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> RankError:
+        return cls(rank=rank, kind=type(e).__name__, message=str(e), error=e)
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "type": self.kind, "error": self.message}
+
+    @classmethod
+    def from_json(cls, o: Mapping) -> RankError:
+        return cls(rank=int(o["rank"]), kind=str(o["type"]), message=str(o["error"]))
+
+
+def envelope(rank: int, msg) -> dict:
+    """The wire form of a message or a failure."""
+    if isinstance(msg, RankError):
+        return {"ok": False, **msg.to_json()}
+    return {"ok": True, "rank": rank, "body": msg.to_json()}
+
+
+def open_envelope(o: Mapping, decode):
+    """A message (``decode(body, rank=...)``) or a ``RankError``."""
+    if not o.get("ok"):
+        return RankError.from_json(o)
+    return decode(o["body"], rank=int(o["rank"]))
+
+
+__all__ = ["Committed", "HeldTensor", "RankError", "RankState", "Staged", "Written", "WrittenFile",
+           "envelope", "open_envelope"]

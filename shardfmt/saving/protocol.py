@@ -1,0 +1,271 @@
+"""The save protocol: the same steps on every rank of a process group and in one process.
+
+Every rank calls ``save`` with its own state dict; only the ``Coordinator`` differs (a
+world of one has no collectives)::
+
+    1) every rank flattens its state and describes what it holds (``describe``): tensor
+       boxes (DTensor placements are read off the DTensor), values, per-rank values, aliases
+    2) the ranks agree on the step, the destination and the replicated values with one
+       all-reduce of a fixed-size vector (``agreement``), before anything is staged
+    3) every rank gathers every rank's ``RankState`` (typed records, never pickle)
+    4) every rank computes the same write plan (``plan.assign_writers``): each distinct
+       (tensor, box) is written exactly once
+    5) rank 0 checks the destination and stages the checkpoint (``CheckpointWriter.stage``);
+       broadcasts ``Staged``
+    6) every rank streams its file into the staging dir (``shard_file``); gather of ``Written``
+    7) rank 0 records every file, builds the manifest and publishes it (the commit protocol);
+       broadcasts ``Committed``
+    8) every rank returns the manifest, or raises the same error naming the failed rank
+
+Any failure at any step, on any rank, means nothing is committed and every rank raises (in
+one process: the error itself). A dead or frozen rank surfaces within the coordinator's
+timeout rather than as a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import xxhash
+
+from shardfmt.errors import ShardfmtError, StateDictError
+from shardfmt.format import hashing
+from shardfmt.format.manifest import (
+    Manifest,
+    TensorRecord,
+    Topology,
+    ValueRecord,
+    check_step,
+    rank_file_name,
+)
+from shardfmt.format.tensor_bytes import byte_pieces
+from shardfmt.io.registry import get_storage
+from shardfmt.layout.topology import Mesh, TopologyError
+from shardfmt.saving.agreement import agree, agreement_vector, check_agreement
+from shardfmt.saving.coordinator import Coordinator
+from shardfmt.saving.describe import Prepared
+from shardfmt.saving.messages import Committed, RankError, RankState, Staged, Written, WrittenFile
+from shardfmt.saving.options import SaveOptions
+from shardfmt.saving.plan import WriteItem, assign_writers, my_items
+from shardfmt.saving.shard_file import (
+    ShardData,
+    default_write_workers,
+    file_order,
+    write_shard_file,
+)
+from shardfmt.saving.writer import CheckpointWriter
+
+Snapshot = Callable[[], Prepared]
+
+
+def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: SaveOptions,
+             step: int | None = None, metadata: Any = None, storage=None,
+             snapshot: Snapshot | None = None) -> Manifest:
+    """Steps 2-8 of the protocol for this rank's ``prepared`` state (step 1).
+
+    ``snapshot`` (async saves) returns the tensors to write, as ``prepared`` over other
+    tensors; it is called only once the plan is agreed and the checkpoint staged, so that
+    work needs no data and overlaps the copy. A failure it raises fails the save on every rank.
+    """
+    topology = _topology(options.mesh, coord)
+    if storage is None:
+        storage, path = get_storage(path, options.storage_options)
+    run = _Run(prepared=prepared, snapshot=snapshot, coord=coord, options=options, storage=storage, path=path)
+    states = run.gather(run.agree(step))
+    writers = assign_writers(states)
+    writer = run.stage()
+    try:
+        written = run.write(writers, states)
+        return run.commit(writer, states, written, step=step, metadata=metadata, topology=topology)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class _Run:
+    """One rank's side of one save: the steps, in call order."""
+
+    prepared: Prepared
+    snapshot: Snapshot | None
+    coord: Coordinator
+    options: SaveOptions
+    storage: Any
+    path: str
+    staged: Staged | None = None
+
+    def agree(self, step: int | None) -> RankState | RankError:
+        """2) Agree on the step, the destination and the replicated values; return this rank's message."""
+        state, rank = self.prepared.state, self.coord.rank
+        try:
+            check_step(step)  # before any data moves
+        except StateDictError as e:
+            if not isinstance(state, RankError):
+                state = RankError.of(rank, e)
+        url = self.storage.url(self.path)
+        values = state.values if isinstance(state, RankState) else {}
+        vector = agreement_vector(failed=isinstance(state, RankError), step=step, url=url, values=values)
+        check_agreement(agree(vector, self.coord), rank=rank, step=step, url=url, values=values,
+                        check_replicas=self.options.check_replicas)
+        return state
+
+    def gather(self, state: RankState | RankError) -> list[RankState]:
+        """3) Gather every rank's description (with replica digests under ``check_replicas``)."""
+        if self.options.check_replicas and isinstance(state, RankState):
+            state = self._with_replica_digests(state)
+        states = self.coord.gather(state, RankState.from_json, "gathering save plans")
+        self.coord.raise_failures(states, "describing the state")
+        if self.options.check_replicas:
+            _check_replicas(states)
+        return states
+
+    def _with_replica_digests(self, state: RankState) -> RankState | RankError:
+        if self.snapshot is not None:  # the digests need the data
+            try:
+                self.prepared, self.snapshot = self.snapshot(), None
+                self.prepared.wait_ready()
+            except ShardfmtError as e:  # told to every rank by the gather
+                return RankError.of(self.coord.rank, e)
+        digests = {f"{fqn} {list(box.offsets)}+{list(box.lengths)}": _digest_tensor(data)
+                   for fqn, ps in self.prepared.pieces.items() for box, data in ps}
+        return dataclasses.replace(state, replica_digests=digests)
+
+    def stage(self) -> CheckpointWriter | None:
+        """5) Rank 0 checks the destination and stages; every rank learns where (or why not)."""
+        writer, msg = None, None
+        if self.coord.rank == 0:
+            try:
+                writer = CheckpointWriter(self.path, storage=self.storage, options=self.options)
+                writer.stage()
+                msg = Staged(save_id=writer.save_id, staging=writer.staging, name_tag=writer.name_tag)
+            except ShardfmtError as e:
+                msg = RankError.of(0, e)
+        staged = self.coord.broadcast(msg, Staged.from_json, "staging")
+        self.coord.raise_failures([staged], "staging the checkpoint")
+        self.staged = staged
+        return writer
+
+    def write(self, writers, states: list[RankState]) -> list[Written]:
+        """6) Write this rank's file into the staging dir; gather what every rank wrote."""
+        rank, opts = self.coord.rank, self.options
+        try:
+            if self.snapshot is not None:
+                self.prepared = self.snapshot()
+            items = my_items(states[rank], self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
+            file = None
+            if items:
+                name = rank_file_name(rank, None, self.staged.name_tag)
+                file = write_shard_file(self.storage, self.staged.staging, name, rank, _shard_data(items),
+                                        chunk_size=opts.chunk_size, sync=opts.sync,
+                                        workers=opts.write_workers or default_write_workers(),
+                                        part_size=opts.part_size)
+            # A snapshot counts only whole: pieces other ranks write must have been copied here too.
+            self.prepared.wait_ready()
+            msg: Written | RankError = Written(file=file)
+        except (ShardfmtError, OSError) as e:
+            msg = RankError.of(rank, e)
+        results = self.coord.gather(msg, Written.decoder(_records(states)), "gathering write results")
+        self.coord.raise_failures(results, "writing shard files")
+        return results
+
+    def commit(self, writer: CheckpointWriter | None, states: list[RankState], written: list[Written], *,
+               step: int | None, metadata: Any, topology: Topology) -> Manifest:
+        """7) Rank 0 records every file and commits; every rank gets the manifest (or the error)."""
+        msg = None
+        if self.coord.rank == 0:
+            try:
+                msg = Committed(manifest=_commit(writer, states, [w.file for w in written if w.file is not None],
+                                                 step=step, metadata=metadata, topology=topology))
+            except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
+                writer.abort()
+                msg = RankError.of(0, e)
+        outcome = self.coord.broadcast(msg, Committed.from_json, "committing")
+        self.coord.raise_failures([outcome], "committing")
+        return outcome.manifest
+
+
+def _shard_data(items: list[WriteItem]) -> list[ShardData]:
+    """The items as the shard-file writer takes them, in data-file order."""
+    return file_order([ShardData(fqn=it.fqn, data=it.data, global_shape=it.global_shape, offsets=it.box.offsets,
+                                 placement=it.placement, ready=it.ready) for it in items])
+
+
+def _records(states: list[RankState]) -> dict[str, TensorRecord]:
+    """fqn -> (dtype, shape) record of every tensor a rank holds: what a shard record is checked against."""
+    return {t.fqn: t.record() for s in states for t in s.tensors}
+
+
+def _commit(writer: CheckpointWriter, states: list[RankState], files: list[WrittenFile], *,
+            step: int | None, metadata: Any, topology: Topology) -> Manifest:
+    """Record every rank's file and the non-shard records, then publish."""
+    meta: dict[str, tuple] = {}
+    for s in states:  # ranks in order: the lowest holder's record of a tensor is kept
+        for t in s.tensors:
+            meta.setdefault(t.fqn, (t.dtype, t.shape, t.placement))
+    storage_names = frozenset(t.fqn for s in states for t in s.tensors if t.storage)
+    for f in files:
+        writer.add_file(f, meta, storage_names)
+    _add_records(writer, states)
+    return writer.commit(step=step, metadata=metadata, topology=topology)
+
+
+def _add_records(writer: CheckpointWriter, states: list[RankState]) -> None:
+    aliases: dict[str, str] = {}
+    views: dict[str, TensorRecord] = {}
+    values: dict[str, Any] = {}
+    per_rank: dict[str, dict[int, Any]] = {}
+    for s in states:  # ranks in order: the lowest rank's copy of a replicated value wins
+        for f, t in s.aliases.items():
+            if aliases.setdefault(f, t) != t:
+                raise StateDictError(f"{f}: ranks disagree on what it aliases")
+        for f, v in s.views.items():
+            views.setdefault(f, v)
+        for f, v in s.values.items():
+            values.setdefault(f, v)
+        for f, v in s.per_rank.items():
+            per_rank.setdefault(f, {})[s.rank] = v
+    for f, t in aliases.items():
+        writer.add_alias(f, t)
+    for f, rec in views.items():
+        writer.add_view(f, rec.dtype, rec.shape, rec.view)
+    for f, v in values.items():
+        writer.add_encoded_value(f, ValueRecord(value=v))
+    for f, m in per_rank.items():
+        writer.add_encoded_value(f, ValueRecord(per_rank=m))
+
+
+def _digest_tensor(t) -> str:
+    h = xxhash.xxh3_128()
+    for piece in byte_pieces(t):
+        h.update(piece)
+    return hashing.format_digest(h.digest())
+
+
+def _check_replicas(states: list[RankState]) -> None:
+    """Replicated tensor pieces must hold the same bytes on every rank (values: step 2)."""
+    ref: dict[str, tuple[int, str]] = {}
+    for s in states:
+        for key, digest in s.replica_digests.items():
+            if key in ref and ref[key][1] != digest:
+                raise StateDictError(f"{key}: replicated data differs between rank {ref[key][0]} and "
+                                     f"rank {s.rank} (check_replicas=True)")
+            ref.setdefault(key, (s.rank, digest))
+
+
+def _topology(mesh: Mapping[str, int] | None, coord: Coordinator) -> Topology:
+    if not mesh:
+        return coord.default_topology()
+    try:
+        pairs = Mesh.parse(mesh).dims
+    except TopologyError as e:
+        raise StateDictError(f"mesh=: {e}") from None
+    world = coord.world
+    size = 1
+    for _, s in pairs:
+        size *= s
+    if size != world:
+        raise StateDictError(f"mesh {dict(pairs)} does not multiply to the world size {world}")
+    return Topology(world_size=world, mesh=pairs)

@@ -1,0 +1,111 @@
+"""The Checkpointer's archive tier: which committed steps to copy, copied in the background, retried.
+
+Rank 0 queues a copy of a committed checkpoint whenever ⌊step / every⌋ exceeds that of the last
+one archived (the archive is listed once, at the first save; again after a failed copy, so the
+next save of the bucket tries again). One thread copies (``archive.copy_checkpoint``: streamed,
+verified by hashes there, then committed there); a failed copy is retried with backoff and
+reported as a warning and in ``errors``, never raised into training. Retention leaves a
+checkpoint alone while it is being copied (``busy``).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from shardfmt.commit.names import parse_step_dir, step_dir_name
+from shardfmt.commit.protocol import is_committed
+from shardfmt.errors import ShardfmtError
+from shardfmt.io.storage import Storage
+from shardfmt.training.archive import copy_checkpoint, copy_with_retries
+from shardfmt.training.options import ArchivePolicy
+from shardfmt.training.roots import collect_garbage
+
+_FAILURES = (ShardfmtError, OSError)
+
+
+class Archiver:
+    """Copy committed checkpoints of ``storage`` to ``archive_root`` on ``archive_storage`` per ``policy``."""
+
+    def __init__(self, storage: Storage, archive_storage: Storage, archive_root: str, policy: ArchivePolicy) -> None:
+        self.storage = storage
+        self.archive_storage, self.archive_root = archive_storage, archive_root
+        self.policy = policy
+        self.errors: list[str] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list[Future] = []
+        self._archiving: set[str] = set()  # local paths being copied: retention leaves them alone
+        self._lock = threading.Lock()
+        self._last_archived_bucket: int | None = None
+
+    def _archived_steps(self) -> list[int]:
+        st, root = self.archive_storage, self.archive_root
+        if not st.exists(root):
+            return []
+        return sorted(s for name in st.listdir(root) if (s := parse_step_dir(name)) is not None
+                      and is_committed(st, st.join(root, name)))
+
+    def schedule(self, step: int, path: str) -> None:
+        """Queue a background copy of ``step`` (at ``path``) when its ⌊step / every⌋ is new."""
+        with self._lock:
+            if self._last_archived_bucket is None:
+                try:
+                    done = self._archived_steps()
+                except _FAILURES as e:
+                    done = []
+                    warnings.warn(f"{self.archive_root}: cannot list the archive: {e}", stacklevel=3)
+                self._last_archived_bucket = max((s // self.policy.every for s in done), default=-1)
+            bucket = step // self.policy.every
+            if bucket <= self._last_archived_bucket:
+                return
+            self._last_archived_bucket = bucket
+            self._archiving.add(path)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-archive")
+            self._jobs.append(self._pool.submit(self.copy, step, path))
+
+    def copy(self, step: int, path: str) -> None:
+        """Copy ``step`` (at ``path``) to the archive, with retries; report a failure, never raise it."""
+        dst = self.archive_storage.join(self.archive_root, step_dir_name(step))
+        where = self.archive_storage.url(dst)
+
+        def retry(i: int, e: BaseException) -> None:
+            warnings.warn(f"archiving step {step} to {where} failed (attempt {i} of {self.policy.attempts}, "
+                          f"retrying): {e}", stacklevel=2)
+
+        try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again;
+            if self.archive_storage.atomic_rename:  # object stores: prepare() clears dst's dead leftover
+                collect_garbage(self.archive_storage, self.archive_root)
+        except _FAILURES as e:
+            warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",
+                          stacklevel=2)
+        try:
+            copy_with_retries(lambda: copy_checkpoint(self.storage, path, self.archive_storage, dst),
+                              attempts=self.policy.attempts, backoff=self.policy.backoff, on_retry=retry)
+        except Exception as e:  # noqa: BLE001 - never into training: reported instead
+            msg = f"archiving step {step} to {where} failed: {type(e).__name__}: {e}"
+            self.errors.append(msg)
+            warnings.warn(msg, stacklevel=2)
+            with self._lock:  # the bucket has no copy: the next save (re-listing the archive) tries again
+                self._last_archived_bucket = None
+        finally:
+            with self._lock:
+                self._archiving.discard(path)
+
+    def busy(self, path: str) -> bool:
+        """True while the checkpoint at ``path`` is queued or being copied."""
+        with self._lock:
+            return path in self._archiving
+
+    def wait(self) -> None:
+        """Block until every queued copy has finished."""
+        jobs, self._jobs = self._jobs, []
+        for f in jobs:
+            f.result()
+
+    def close(self) -> None:
+        """Wait for the copies and stop the copying thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,172 @@
+"""A training state's entries into one state dict for ``save``, and a loaded one back into them.
+
+An entry is a model (``torch.nn.Module``: its ``get_model_state_dict``), an optimizer (its state
+keyed by parameter FQN, as ``train_state`` makes it, so it reshards like the weights) or any
+object with ``state_dict()``/``load_state_dict()`` (scheduler, GradScaler, ResumableSampler, user
+objects). Each rank's RNG states ride along under ``RNG_KEY`` (per rank). The metadata saved
+with them (config, model signatures, optimizer classes, entry names, world size) is what restore
+checks compatibility against (``compat``) and reports mismatches from.
+
+Non-tensor state is applied only after every rank loaded its slices (``apply``), so a checkpoint
+given up on the way leaves optimizers, schedulers, samplers and RNG as they were.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardfmt.errors import StateDictError
+from shardfmt.format import jsonvalue
+from shardfmt.format.manifest import Manifest
+from shardfmt.layout.state import IfSaved, PerRank
+from shardfmt.training import rng
+from shardfmt.training.compat import config_hash
+from shardfmt.training.ranks import Ranks
+from shardfmt.training.train_state import optimizer_state_dict, set_optimizer_state
+
+RNG_KEY = "_shardfmt_rng"
+
+
+def is_module(v) -> bool:
+    return isinstance(v, torch.nn.Module)
+
+
+def is_optimizer(v) -> bool:
+    return isinstance(v, torch.optim.Optimizer)
+
+
+def _owner(opt, models: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module:
+    params = {id(p) for g in opt.param_groups for p in g["params"]}
+    for m in models.values():
+        if params & {id(p) for p in m.parameters()}:
+            return m
+    raise StateDictError(f"optimizer {name!r}: none of the state's models owns its parameters")
+
+
+def state_dicts(state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
+    """Return (saveable dict, signature, names of optimizers that never stepped) for ``state``'s entries."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    models = {k: v for k, v in state.items() if is_module(v)}
+    out: dict[str, Any] = {}
+    fresh_optims: set[str] = set()
+    for name, obj in state.items():
+        if name.startswith("_shardfmt"):
+            raise StateDictError(f"state entry {name!r}: names starting with _shardfmt are reserved")
+        if is_module(obj):
+            out[name] = get_model_state_dict(obj)
+        elif is_optimizer(obj):
+            out[name] = optimizer_state_dict(_owner(obj, models, name), obj)  # made-up state: IfSaved
+            if any(isinstance(v, IfSaved) for v in out[name]["state"].values()):
+                fresh_optims.add(name)
+        elif hasattr(obj, "state_dict"):
+            out[name] = obj.state_dict()
+        else:
+            raise StateDictError(f"state entry {name!r} ({type(obj).__name__}) has no state_dict()")
+    signature = {name: {k: [str(v.dtype), list(v.shape)] for k, v in sd.items() if isinstance(v, torch.Tensor)}
+                 for name, sd in out.items() if is_module(state[name])}
+    return out, signature, fresh_optims
+
+
+def optimizer_signature(state: Mapping[str, Any], sd: Mapping[str, Any]) -> dict:
+    """Each optimizer's class and its parameter groups (sets of parameter names, in a stable order)."""
+    return {name: {"class": f"{type(obj).__module__}.{type(obj).__qualname__}",
+                   "groups": sorted(sorted(str(p) for p in g.get("params", []))
+                                    for g in sd[name].get("param_groups", []))}
+            for name, obj in state.items() if is_optimizer(obj)}
+
+
+def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks: Ranks) -> tuple[dict, dict]:
+    """Return (the state dict to save, its metadata): every entry, this rank's RNG states, and
+    what restore checks. Raises StateDictError when the ranks' sampler cursors differ."""
+    sd, signature, fresh_optims = state_dicts(state)
+    samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
+    if samplers and ranks.distributed():
+        seen = ranks.all_gather([int(s.consumed) for s in samplers])
+        if any(x != seen[0] for x in seen):
+            raise StateDictError(f"sampler cursors differ across ranks at save: {seen[:8]} "
+                                 "(advance(n) must be called with the same n on every rank)")
+    sd[RNG_KEY] = PerRank(rng.capture())
+    meta = {"user": user_metadata, "unstepped": sorted(fresh_optims),
+            "config": config, "config_hash": config_hash(config),
+            "signature": signature, "optimizers": optimizer_signature(state, sd),
+            "entries": sorted(state), "world_size": ranks.world()}
+    return sd, meta
+
+
+def for_restore(state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
+    """Return ``state_dicts(state)`` with a slot for this rank's saved RNG states (None if none)."""
+    sd, signature, fresh_optims = state_dicts(state)
+    sd[RNG_KEY] = PerRank(None)
+    return sd, signature, fresh_optims
+
+
+def materialize(state: Mapping[str, Any]) -> None:
+    """Give a model built on the meta device real (CPU) storage to load into."""
+    for obj in state.values():
+        if is_module(obj) and any(t.is_meta for t in list(obj.parameters()) + list(obj.buffers())):
+            obj.to_empty(device="cpu")
+
+
+def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Manifest, *,
+          fresh_optims: set[str], dirty: bool = False, world: int) -> None:
+    """Load the loaded ``sd`` into ``state``'s entries and the RNG; warn about entries on one side only.
+
+    ``dirty``: a checkpoint given up before wrote into the state (entries missing here may hold
+    its data). ``report``: ``load``'s report (its unexpected keys).
+    """
+    meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
+    meta = meta if isinstance(meta, dict) else {}
+    saved_entries = set(meta.get("entries", []))
+    _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []))
+    rng_state = sd[RNG_KEY].value
+    if rng_state is not None:
+        rng.restore(rng_state)
+    elif manifest.topology.world_size != world:
+        warnings.warn(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
+                      f"{world}: RNG streams start fresh", stacklevel=4)
+    _warn_unmatched(state, saved_entries, report, dirty=dirty)
+
+
+def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *, fresh_optims: set[str],
+                  unstepped: list) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    models = {k: v for k, v in state.items() if is_module(v)}
+    for name, obj in state.items():
+        if is_module(obj):
+            set_model_state_dict(obj, sd[name])
+        elif is_optimizer(obj):
+            set_optimizer_state(_owner(obj, models, name), obj, sd[name])
+            if name in fresh_optims and name in unstepped:
+                obj.state.clear()  # saved before its first step by a version that wrote made-up state
+        else:
+            try:
+                obj.load_state_dict(sd[name])
+            except Exception as e:  # noqa: BLE001 - the user object's own error, named and typed
+                done = list(state)[: list(state).index(name)]
+                raise StateDictError(
+                    f"restoring step {step}: "
+                    f"{name!r}.load_state_dict failed: {type(e).__name__}: {e} (already restored: "
+                    f"{', '.join(done) or 'nothing'}; the state is partly restored)") from e
+
+
+def _warn_unmatched(state: Mapping[str, Any], saved_entries: set[str], report, *, dirty: bool) -> None:
+    not_restored = sorted(saved_entries - set(state))
+    if not_restored:
+        warnings.warn(f"saved but not restored: {', '.join(not_restored)}", stacklevel=5)
+    not_saved = sorted(set(state) - saved_entries) if saved_entries else []
+    if not_saved and dirty:
+        warnings.warn(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
+                      "checkpoint wrote into the state, so they may hold its data: re-initialize them",
+                      stacklevel=5)
+    elif not_saved:
+        warnings.warn(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=5)
+    unread = [k for k in report.unexpected if k.split(".", 1)[0] in state and not k.startswith(RNG_KEY)]
+    if unread:
+        warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
+                      stacklevel=5)

@@ -1,0 +1,109 @@
+"""The Checkpointer's knobs, each with its one default, checked once when the options are made.
+
+``Checkpointer(root, keep_last=5, archive="s3://b/arch")`` and
+``Checkpointer(root, options=CheckpointerOptions(retention=RetentionPolicy(keep_last=5),
+archive=ArchivePolicy(url="s3://b/arch")))`` are the same: the flat keywords name the nested
+fields (``archive_every`` is ``archive.every``; the table is ``KEYWORDS``). Errors name the flat
+keyword, the one a caller of ``Checkpointer(...)`` typed. Per-call knobs (``save``'s ``async_``,
+``policy``, ``stage``; ``restore``'s ``allow_mismatch``) stay on the calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from collections.abc import Mapping
+from typing import Any
+
+
+def _check_count(name: str, v: Any, *, none_ok: bool = False) -> None:
+    if not (v is None and none_ok) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"Checkpointer: {name} must be an int >= 1{' or None' if none_ok else ''}, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RetentionPolicy:
+    """Keep the newest ``keep_last`` committed checkpoints, plus one per ``keep_every`` steps forever."""
+
+    keep_last: int = 3
+    keep_every: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_count("keep_last", self.keep_last)
+        _check_count("keep_every", self.keep_every, none_ok=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ArchivePolicy:
+    """Copy a committed checkpoint to ``url`` whenever ⌊step / every⌋ is new (no ``url``: no archive).
+
+    A failed copy is tried ``attempts`` times in all, waiting ``backoff`` seconds, doubled each
+    time, between tries.
+    """
+
+    url: str | None = None
+    every: int = 1
+    storage_options: dict | None = None
+    attempts: int = 4
+    backoff: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check_count("archive_every", self.every)
+        _check_count("archive_attempts", self.attempts)
+        b = self.backoff
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < float("inf"):
+            raise ValueError(f"Checkpointer: archive_backoff must be a finite number >= 0, got {b!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointerOptions:
+    """Everything a Checkpointer is built with besides its root.
+
+    ``config`` is compared with the checkpoint's at restore; ``allow_fresh_start`` lets restore
+    (and a root whose parent is missing) start from scratch; ``lease_seconds`` is the saves'
+    heartbeat and the collector's judgement of a dead save; ``process_group``, ``timeout`` and
+    ``mesh`` are passed to ``save``/``load``.
+    """
+
+    retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
+    archive: ArchivePolicy = dataclasses.field(default_factory=ArchivePolicy)
+    config: Any = None
+    allow_fresh_start: bool = False
+    storage_options: dict | None = None
+    process_group: Any = None
+    timeout: _dt.timedelta | None = None
+    lease_seconds: float | None = None
+    mesh: Mapping[str, int] | None = None
+
+    def with_keywords(self, **keywords: Any) -> CheckpointerOptions:
+        """Return these options with the Checkpointer's flat ``keywords`` (``KEYWORDS``) set."""
+        unknown = sorted(set(keywords) - set(KEYWORDS))
+        if unknown:
+            raise TypeError(f"Checkpointer() got unexpected keyword argument(s): {', '.join(unknown)}")
+        nested: dict[str, dict[str, Any]] = {"retention": {}, "archive": {}, "": {}}
+        for name, value in keywords.items():
+            part, field = KEYWORDS[name]
+            nested[part][field] = value
+        return dataclasses.replace(
+            self, retention=dataclasses.replace(self.retention, **nested["retention"]),
+            archive=dataclasses.replace(self.archive, **nested["archive"]), **nested[""])
+
+    @property
+    def effective_storage_options(self) -> dict | None:
+        """``storage_options`` with ``lease_seconds`` in them when set (the saves and the collector agree)."""
+        if self.lease_seconds is None:
+            return self.storage_options
+        return dict(self.storage_options or {}, lease_seconds=self.lease_seconds)
+
+
+# Checkpointer(...) keyword -> (part of CheckpointerOptions, its field); "" is the options itself
+KEYWORDS: dict[str, tuple[str, str]] = {
+    "keep_last": ("retention", "keep_last"),
+    "keep_every": ("retention", "keep_every"),
+    "archive": ("archive", "url"),
+    "archive_every": ("archive", "every"),
+    "archive_storage_options": ("archive", "storage_options"),
+    "archive_attempts": ("archive", "attempts"),
+    "archive_backoff": ("archive", "backoff"),
+    **{f.name: ("", f.name) for f in dataclasses.fields(CheckpointerOptions) if f.name not in ("retention", "archive")},
+}

@@ -1,0 +1,61 @@
+"""The retention pass: after a save commits, remove the checkpoints ``retention.to_delete`` names.
+
+The newest ``keep_last`` committed checkpoints are checked in full (a torn one does not count);
+older ones by their markers alone, so a pass costs the same with 10 or 10,000 checkpoints kept
+(``keep_every``). Before a checkpoint stays as its ``keep_every`` bucket's long-term copy, or goes,
+it is checked in full (once): the copy that stays must be readable, and a checkpoint of a format
+version this reader cannot read (a newer release's) is neither counted nor removed
+(spec/ROOTS.md section 1). A checkpoint being copied to the archive is left for a later pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardfmt.io.storage import Storage
+from shardfmt.training.options import RetentionPolicy
+from shardfmt.training.retention import to_delete
+from shardfmt.training.roots import checkpoint_status, step_paths
+
+
+def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callable[[str], bool]) -> None:
+    """Remove the committed checkpoints under ``root`` that ``policy`` does not keep, except where
+    ``busy(path)`` (being archived)."""
+    committed, full = _committed(storage, root, policy.keep_last)
+
+    def status_of(s: int) -> str:
+        if s not in full:
+            full[s] = checkpoint_status(storage, committed[s])[0]
+        return full[s]
+
+    while True:
+        # Checked in full (once) before they stay or go: the copy that stays for a bucket being
+        # pruned must be readable, and a checkpoint of a format version this reader cannot read
+        # (a newer release's) is neither counted nor removed (spec/ROOTS.md section 1).
+        doomed = to_delete(list(committed), keep_last=policy.keep_last, keep_every=policy.keep_every)
+        pruned = {s // policy.keep_every for s in doomed} if policy.keep_every else set()
+        stays = [s for s in committed if s not in doomed and s // policy.keep_every in pruned] if pruned else []
+        drop = ([s for s in stays if status_of(s) != "committed"]  # torn: neither kept as the
+                + [s for s in doomed if status_of(s) == "unsupported"])  # bucket's copy nor removed
+        if not drop:
+            break
+        for s in drop:
+            del committed[s]
+    for step in doomed:
+        if busy(committed[step]):
+            continue  # being copied to the archive: removed by a later retention pass
+        storage.remove_tree(committed[step])
+
+
+def _committed(storage: Storage, root: str, keep_last: int) -> tuple[dict[int, str], dict[int, str]]:
+    """Return (committed step -> path, step -> status for those checked in full), newest first."""
+    committed: dict[int, str] = {}
+    full: dict[int, str] = {}  # step -> its status, checked in full
+    for step, path in reversed(step_paths(storage, root)):
+        if len(committed) < keep_last:
+            status = full[step] = checkpoint_status(storage, path)[0]
+        else:
+            status = checkpoint_status(storage, path, markers_only=True)[0]
+        if status == "committed":
+            committed[step] = path
+    return committed, full

@@ -1,0 +1,53 @@
+"""How the Checkpointer's ranks agree: rank 0's choice broadcast, every rank's outcome gathered.
+
+Messages are small JSON values (orjson) on the gloo control group of ``saving.coordinator``,
+never on the training's own collectives. Without a process group of more than one rank (not
+initialized, or a world of one) every call is local: ``broadcast`` returns its argument and
+``all_gather`` a list of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+from typing import Any
+
+import orjson
+import torch
+
+from shardfmt.saving.coordinator import all_gather_bytes, broadcast_bytes, control_group
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ranks:
+    """The ranks of ``process_group`` (None: the default group), with ``timeout`` on their agreements."""
+
+    process_group: Any = None
+    timeout: _dt.timedelta | None = None
+
+    def distributed(self) -> bool:
+        """True when more than one rank takes part (asked on each call: the group may start later)."""
+        d = torch.distributed
+        return d.is_available() and d.is_initialized() and d.get_world_size(self.process_group) > 1
+
+    def rank(self) -> int:
+        return torch.distributed.get_rank(self.process_group) if self.distributed() else 0
+
+    def world(self) -> int:
+        return torch.distributed.get_world_size(self.process_group) if self.distributed() else 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Return rank 0's ``obj`` on every rank (other ranks' ``obj`` is ignored)."""
+        if not self.distributed():
+            return obj
+
+        g = control_group(self.process_group, self.timeout)
+        return orjson.loads(broadcast_bytes(orjson.dumps(obj) if self.rank() == 0 else None, 0, g))
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj``, in rank order."""
+        if not self.distributed():
+            return [obj]
+
+        g = control_group(self.process_group, self.timeout)
+        return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]

@@ -1,0 +1,248 @@
+"""Restore: choose the checkpoint, load it on every rank, fall back together, quarantine the bad one.
+
+The Checkpointer calls, in this order::
+
+    1) rank 0: ``choose(probe, root, archive)`` checks the root (``check_root``: spec/ROOTS.md
+       section 1), quarantines the committed-then-torn checkpoints it lists and returns the
+       candidates, newest step first across the root and the archive; the Checkpointer
+       broadcasts that choice, and every rank raises ``root_error`` from it if the root is unusable
+    2) every rank: ``restore_first_valid`` loads its slices of the first candidate, verifying every
+       byte it reads
+    3) the ranks agree (all-gather): a failure that is not the checkpoint's (a storage error, the
+       caller's state not fitting, a newer format version) raises on every rank and quarantines
+       nothing; otherwise rank 0 quarantines the root's copy, every rank warns naming the file and
+       cause, and all fall back together to the next candidate
+    4) only then is non-tensor state applied (``entries.apply``: optimizer, scheduler, sampler, RNG)
+
+Trade-off: a newer format version is never quarantined nor passed over when it is the newest
+checkpoint: resuming an older step would throw away progress, so restore raises instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from shardfmt.api import load
+from shardfmt.commit.names import quarantine_dir_name
+from shardfmt.errors import (
+    CheckpointNotFoundError,
+    CompatibilityError,
+    FormatVersionError,
+    ShardfmtError,
+    StateDictError,
+    StorageError,
+)
+from shardfmt.format.manifest import QUARANTINED_NAME
+from shardfmt.io.storage import Storage
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.training.compat import check_compat
+from shardfmt.training.entries import apply, for_restore, optimizer_signature
+from shardfmt.training.ranks import Ranks
+from shardfmt.training.roots import CheckpointInfo, list_steps, probe_root, root_parent
+
+FAILURES = (ShardfmtError, OSError)
+_ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
+log = logging.getLogger("shardfmt")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Tier:
+    """A place checkpoints are restored from: ``name`` is "root" or "archive"."""
+
+    name: str
+    storage: Storage
+    root: str
+    storage_options: dict | None
+
+
+def check_root(storage: Storage, root: str, *, allow_fresh_start: bool, rank: int) -> str:
+    """Apply the root rules of spec/ROOTS.md section 1 (at restore, or at the first save if there was
+    none); return what the root is (``roots.probe_root``)."""
+    kind = probe_root(storage, root)
+    if kind == "orphan":
+        url, parent = storage.url(root), root_parent(storage, root)
+        msg = (f"{url}: the Checkpointer root does not exist, nor does "
+               f"{'its bucket' if storage.object_store else 'its parent'} {parent} (a misspelled path?)")
+        if not allow_fresh_start:
+            raise CheckpointNotFoundError(f"{msg}: create {parent}, or pass allow_fresh_start=True to "
+                                          "start from scratch there")
+        if rank == 0:
+            warnings.warn(f"{msg}; starting from scratch there (allow_fresh_start=True)", stacklevel=5)
+    return kind
+
+
+def quarantine(storage: Storage, path: str, reason: str) -> None:
+    """Set the checkpoint at ``path`` aside (renamed ``step_X.corrupt-<id>``, or marked in place on
+    object stores) so that no restore tries it again; warn if that fails."""
+    dest = quarantine_dir_name(path, uuid.uuid4().hex[:8])
+    try:
+        if storage.atomic_rename:
+            storage.rename(path, dest)
+        else:
+            storage.write_bytes(storage.join(path, QUARANTINED_NAME), reason.encode())
+    except ShardfmtError as e:
+        warnings.warn(f"could not quarantine {path}: {e}", stacklevel=5)
+
+
+def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
+    """Rank 0's choice: checkpoints to try, newest step first across the root and the archive (the
+    root's copy first within a step), each ``[step, tier, path, unsupported]``: ``unsupported``
+    names the format versions of a checkpoint this reader cannot read (restore stops there). Or
+    ``{"error", "type"}`` when the root is unusable. ``probe`` checks the root (``check_root``)."""
+    try:
+        kind = probe()
+    except CheckpointNotFoundError as e:
+        return {"error": str(e), "type": "CheckpointNotFoundError"}
+    except FAILURES as e:  # the store cannot say (refused, unreachable): not a first run
+        return {"error": str(e) if isinstance(e, ShardfmtError) else f"{root.storage.url(root.root)}: {e}",
+                "type": "StorageError"}
+    if kind == "new":
+        log.info("%s: no Checkpointer root there yet (its %s exists): a first run", root.storage.url(root.root),
+                 "bucket" if root.storage.object_store else "parent")
+    out, seen_any = [], False
+    for tier in ([root] if kind == "root" else []) + ([archive] if archive is not None else []):
+        try:
+            infos = list_steps(tier.storage, tier.root)
+        except FAILURES as e:
+            # the root cannot be listed: without an archive, restore fails; with one, only a
+            # missing root (the disk died) falls back to it; a failed listing would pick an
+            # archived step older than what the root holds
+            if tier.name == "root" and (archive is None or not isinstance(e, CheckpointNotFoundError)):
+                return {"error": f"{tier.storage.url(tier.root)}: cannot list checkpoints: {e}", "type": "StorageError"}
+            warnings.warn(f"{tier.storage.url(tier.root)}: cannot list checkpoints: {e}", stacklevel=3)
+            continue
+        seen_any = seen_any or bool(infos)
+        if tier.name == "root":
+            _quarantine_torn(tier.storage, infos)
+        out += [[i.step, tier.name, i.path, i.reason if i.status == "unsupported" else None]
+                for i in reversed(infos) if i.status in ("committed", "unsupported")]
+    out.sort(key=lambda c: (-c[0], c[1] != "root"))  # newest step first (an archived newer step beats
+    return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
+
+
+def _quarantine_torn(storage: Storage, infos: list[CheckpointInfo]) -> None:
+    for i in infos:
+        if i.status == "corrupt":  # committed, then torn (a file missing or truncated, a bad manifest)
+            warnings.warn(f"checkpoint {storage.url(i.path)} is unusable, quarantined: {i.reason}", stacklevel=4)
+            quarantine(storage, i.path, i.reason)
+
+
+def raise_root_error(choice: dict) -> None:
+    """Raise the error of a ``choose`` result that says the root is unusable (not "no checkpoints")."""
+    if "error" in choice:
+        raise _ROOT_ERRORS[choice["type"]](choice["error"])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Attempt:
+    """One rank's outcome of loading one candidate: ``error`` is what it tells the other ranks."""
+
+    error: dict | None
+    partial: bool = False  # the failed load wrote part of its data into the state
+    sd: dict | None = None
+    fresh_optims: set[str] = dataclasses.field(default_factory=set)
+    manifest: Any = None
+    report: Any = None
+
+
+def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, archive: Tier | None,
+                        ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool) -> int | None:
+    """Restore the first candidate of ``choice`` every rank loads; return its step (None: none).
+
+    Steps 2) to 4) of the module docstring; every rank calls it with the same ``choice``.
+    """
+    dirty = False  # this rank's state holds data of a checkpoint that was then given up
+    for step, tier_name, path, unsupported in choice["candidates"]:
+        tier = root if tier_name == "root" else archive
+        url = tier.storage.url(path)
+        if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
+            raise FormatVersionError(_newer_than_restorable(url, step, unsupported))
+        attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch)
+        dirty = dirty or attempt.partial
+        failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
+        if failing:
+            _raise_unless_the_checkpoints_fault(url, failing)
+            dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
+            _give_up(tier, path, failing, ranks)
+            continue
+        if tier.name == "archive":
+            warnings.warn(f"{root.storage.url(root.root)}: no valid checkpoint; restored step {step} from the "
+                          f"archive {url}", stacklevel=3)
+        apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
+              dirty=dirty, world=ranks.world())
+        return step
+    if choice["any"] and any(ranks.all_gather(dirty)):
+        raise CheckpointNotFoundError(
+            f"{root.storage.url(root.root)}: checkpoints exist but none is valid, and the failed attempts "
+            "wrote part of their data into the state given to restore: it is not a fresh start either. "
+            "Build the model and optimizer again (the unusable checkpoints under the root are "
+            "quarantined: a restarted job starts fresh)")
+    if choice["any"] and not allow_fresh_start:
+        raise CheckpointNotFoundError(f"{root.storage.url(root.root)}: checkpoints exist but none is valid "
+                                      "(pass allow_fresh_start=True to train from scratch)")
+    return None
+
+
+def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, config: Any,
+          allow_mismatch: bool) -> _Attempt:
+    """Load this rank's slices of the checkpoint at ``path`` into fresh state dicts of ``state``."""
+    sd, signature, fresh_optims = for_restore(state)
+    storage = tier.storage
+    try:
+        manifest = open_checkpoint(path, storage=storage).manifest
+        check_compat(path, manifest, config=config, signature=signature,
+                     optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch)
+        report = load(sd, storage.url(path), strict=False, per_rank="skip",
+                      process_group=ranks.process_group, storage_options=tier.storage_options)
+    except CompatibilityError:
+        raise
+    except FAILURES as e:
+        # A storage failure (network, throttling, permission) says nothing about the
+        # checkpoint: nothing is quarantined and restore fails, to be retried.
+        transient = isinstance(e, StorageError) or (isinstance(e, OSError) and not isinstance(e, ShardfmtError))
+        # The caller's state does not fit the checkpoint (a shape, a dtype, a tuple, a config
+        # that cannot be encoded): the checkpoint is not at fault and is not quarantined.
+        caller = isinstance(e, StateDictError)
+        err = {"error": f"{type(e).__name__}: {e}", "transient": transient, "caller": caller,
+               "version": isinstance(e, FormatVersionError)}  # rewritten by a newer release since listed
+        return _Attempt(error=err, partial=getattr(e, "partial_load", False))
+    return _Attempt(error=None, sd=sd, fresh_optims=fresh_optims, manifest=manifest, report=report)
+
+
+def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]]) -> None:
+    """Raise, on every rank, when a rank's failure is not the checkpoint's fault (nothing is quarantined)."""
+    def why() -> str:
+        return "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
+
+    if any(e["version"] for _, e in failing):
+        raise FormatVersionError(f"restoring {url} (nothing was quarantined): " + why())
+    if any(e.get("caller") for _, e in failing):
+        raise StateDictError(f"restoring {url}: the state given to restore does not fit the "
+                             "checkpoint (nothing was quarantined): " + why())
+    if any(e["transient"] for _, e in failing):
+        raise StorageError(f"restoring {url} failed on storage access (nothing was "
+                           "quarantined; retry): " + why())
+
+
+def _give_up(tier: Tier, path: str, failing: list[tuple[int, dict]], ranks: Ranks) -> None:
+    """Warn on every rank; rank 0 quarantines the root's copy before any rank moves on."""
+    why = "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
+    warnings.warn(f"checkpoint {tier.storage.url(path)} is unusable, falling back to the previous one: "
+                  f"{why}", stacklevel=4)
+    if ranks.rank() == 0 and tier.name == "root":
+        quarantine(tier.storage, path, why)
+    if ranks.distributed():
+        ranks.all_gather(None)  # the quarantine is done before anyone moves on
+
+
+def _newer_than_restorable(url: str, step: int, versions: str) -> str:
+    """The error when the newest checkpoint restore meets is one of a format version it cannot read."""
+    where = url.rstrip("/").rsplit("/", 1)[0]
+    return (f"{url} (step {step}): {versions}. Every checkpoint this release can restore is older: resuming "
+            "one would throw away the progress since; upgrade shardfmt to resume from it, or move it out of "
+            f"{where} to resume from the newest older checkpoint (nothing was changed)")
