@@ -7,6 +7,7 @@ one it records; anything else is refused before a single data byte is read.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shardfmt.commit.names import parse_step_dir
@@ -146,8 +147,6 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
         by_file.setdefault(shard.file, []).append((fqn, shard))
     names = sorted(by_file)
     if storage.remote and len(names) > 1:  # a round trip each: issue them together
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=min(len(names), storage.read_concurrency)) as ex:
             for f in [ex.submit(_check_file_header, storage, path, manifest, n, by_file[n]) for n in names]:
                 f.result()
