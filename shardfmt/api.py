@@ -12,7 +12,7 @@ leaves, so a failed load never leaves half-applied non-tensor state.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardfmt.errors import ShardfmtError
@@ -91,8 +91,22 @@ def save(
 # ----------------------------------------------------------------------------- load
 
 
-def load(state_dict: dict, path: str, *, rank: int | None = None, process_group=None,
-         storage_options: dict | None = None, options: LoadOptions | None = None, **knobs) -> LoadReport:
+def load(
+    state_dict: dict,
+    path: str,
+    *,
+    rank: int | None = None,
+    process_group=None,
+    storage_options: dict | None = None,
+    strict: bool | None = None,
+    verify: bool | None = None,
+    cast: bool | None = None,
+    per_rank: str | None = None,
+    max_gap: int | None = None,
+    max_read: int | None = None,
+    workers: int | None = None,
+    options: LoadOptions | None = None,
+) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
     Tensors (plain, or ShardedTensor slices) are filled in place, keeping their device;
@@ -109,11 +123,12 @@ def load(state_dict: dict, path: str, *, rank: int | None = None, process_group=
     come back to their own rank; on a different world size ``per_rank="error"`` (default)
     raises, ``"skip"`` leaves the caller's values as they are.
 
-    The knobs (``strict``, ``verify``, ``cast``, ``per_rank``, ``max_gap``, ``max_read``,
-    ``workers``) are ``LoadOptions`` fields with their defaults there: pass them as keywords,
-    or ``options`` (keywords given too override it).
+    ``verify`` checks every chunk read against its hash; ``cast`` converts dtypes; ``max_gap``,
+    ``max_read`` and ``workers`` shape the reads. Each knob left None takes its value from
+    ``options`` (a ``LoadOptions``, which owns the defaults).
     """
-    opts = replace(options, **knobs) if options is not None else LoadOptions(**knobs)
+    opts = LoadOptions.merged(options, strict=strict, verify=verify, cast=cast, per_rank=per_rank,
+                              max_gap=max_gap, max_read=max_read, workers=workers)
     ckpt = open_checkpoint(path, storage_options=storage_options)
     m, storage = ckpt.manifest, ckpt.storage
     rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)

@@ -49,6 +49,13 @@ class LoadOptions:
         if self.per_rank not in ("error", "skip"):
             raise StateDictError(f"per_rank must be 'error' or 'skip', got {self.per_rank!r}")
 
+    @classmethod
+    def merged(cls, options: LoadOptions | None = None, **given) -> LoadOptions:
+        """``options`` (default: the defaults) with every knob given as a keyword that is not None."""
+        base = options if options is not None else cls()
+        changes = {k: v for k, v in given.items() if v is not None}
+        return replace(base, **changes) if changes else base
+
     def for_storage(self, storage: Storage) -> LoadOptions:
         """These options with the storage's defaults filled in: its ``max_gap`` (larger where a
         request costs a round trip) and, on an object store, more workers (up to 16)."""
