@@ -222,10 +222,10 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     pieces, units = pieces_of(files)
     dst_storage, dst_path = get_storage(dst, storage_options)
     if max_open_files is None:
-        max_open_files = 1 if getattr(dst_storage, "object_store", False) else DEFAULT_MAX_OPEN_FILES
+        max_open_files = 1 if dst_storage.remote else DEFAULT_MAX_OPEN_FILES
     data_budget = fit_uploads(dst_storage, memory_budget) if max_open_files == 1 else memory_budget
     mem = memory_plan(data_budget, chunk_size=m.chunk_size, verify=source.verify,
-                      workers=min(4, getattr(source.storage, "read_concurrency", 4)))
+                      workers=min(4, source.storage.read_concurrency))
     groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
     plans = _plan_groups(pieces, units, groups, {name: m.tensor(name).shape for name in dtypes}, mem)
     verify_headers(source, pieces)

@@ -305,7 +305,7 @@ def export_hf(
     names, excluded = _exported_names(ckpt.path, m, only=only, strip_prefix=strip_prefix, add_prefix=add_prefix)
     source = Source(storage=ckpt.storage, path=ckpt.path, manifest=m, verify=verify)
     mem = memory_plan(fit_uploads(dst_storage, budget), chunk_size=m.chunk_size, verify=verify,
-                      workers=min(4, getattr(ckpt.storage, "read_concurrency", 4)))
+                      workers=min(4, ckpt.storage.read_concurrency))
     buffers, omitted = _leave_out_tied_output(source, names, cfg, mem)
     plan = plan_export(m, names, cast, max_bytes=max_bytes)
     windows = _windows(m, plan.pieces, mem)

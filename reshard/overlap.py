@@ -31,9 +31,10 @@ def refuse_overlap(storage: Storage, path: str, dst: str, storage_options: dict 
 def _location(storage: Storage, path: str) -> tuple[str, ...]:
     """Where ``path`` is, as comparable parts: ("file", resolved local path parts...) or
     (protocol, bucket, key parts...)."""
-    if getattr(storage, "protocol", "file") in ("file", "local"):  # LocalStorage, fsspec's local filesystem
+    url = storage.url(path)
+    if "://" not in url:  # LocalStorage, fsspec's local filesystem: a path, not a URL
         return ("file", *PurePath(os.path.realpath(path)).parts)
-    protocol, _, rest = storage.url(path).partition("://")
+    protocol, _, rest = url.partition("://")
     return (protocol, *(p for p in rest.split("/") if p))
 
 

@@ -12,7 +12,7 @@ import posixpath
 import uuid
 from collections.abc import Mapping
 
-from reshard._shardfmt import FileStream, Storage
+from reshard._shardfmt import FileStream, Storage, commit_strategy
 from reshard.errors import HFError
 from shardfmt.errors import CheckpointExistsError, ShardfmtError
 
@@ -67,7 +67,7 @@ def check_destination(storage: Storage, path: str, overwrite: bool) -> None:
 
 def stage(storage: Storage, path: str) -> str:
     """Where files are written before they are published (the destination on object stores)."""
-    if getattr(storage, "object_store", False) or not getattr(storage, "atomic_rename", True):
+    if commit_strategy(storage).in_place:
         if storage.exists(path):
             storage.remove_tree(path)
         storage.makedirs(path)

@@ -32,7 +32,7 @@ from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NA
 from shardfmt.format.parse import load_json, manifest_from_obj, migrate
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
 from shardfmt.io.registry import get_storage
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.loading.reader import read_commit, read_manifest_bytes, resolve_path, shard_key_ok

@@ -17,6 +17,7 @@ unknown credentials are refused, as on real S3. ``start()`` is the importable la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -178,6 +179,27 @@ def start(*, auth: bool = False, timeout: float = 60.0) -> Server:
                 srv.stop()
                 raise
             time.sleep(0.05)
+
+
+
+CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def serving():
+    """Start a server and point the AWS environment (credentials, endpoint) at it until exit."""
+    srv = start()
+    old = {k: os.environ.get(k) for k in list(CREDS) + ["AWS_ENDPOINT_URL"]}
+    os.environ.update(CREDS, AWS_ENDPOINT_URL=srv.endpoint)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":

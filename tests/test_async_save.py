@@ -262,7 +262,7 @@ def test_five_back_to_back_saves_stay_within_one_staging_copy(tmp_path):
         handle.wait()
         peaks.append(p.stop() - base)
         if i >= 2:
-            commit_mod.abort(shardfmt.io.storage.LocalStorage(), str(tmp_path / f"s{i - 2}"))
+            commit_mod.abort(shardfmt.io.local.LocalStorage(), str(tmp_path / f"s{i - 2}"))
     print("peaks", [round(p / state_bytes, 3) for p in peaks])
     assert stager.nbytes == state_bytes
     assert max(peaks) <= 1.10 * state_bytes, [p / state_bytes for p in peaks]

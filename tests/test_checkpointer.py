@@ -428,7 +428,7 @@ def test_a_rank_resumed_on_another_device_index_gets_its_own_cuda_rng_stream(mon
 def test_a_storage_failure_while_choosing_a_checkpoint_quarantines_nothing(tmp_path, monkeypatch):
     """A read that fails (network, throttling: here injected) says nothing about the checkpoint:
     restore and latest() fail, to be retried, and the good newest checkpoint stays where it is."""
-    from shardfmt.io.storage import LocalStorage
+    from shardfmt.io.local import LocalStorage
 
     root = str(tmp_path / "run")
     m = torch.nn.Linear(2, 2)
@@ -562,7 +562,7 @@ def test_keywords_and_an_options_object_make_the_same_checkpointer(tmp_path):
 def test_a_long_lease_still_beats_often_enough_for_another_jobs_collector(tmp_path):
     """Job B saves with a 2 h lease; job A's gc on the same root judges by its own 600 s: B's
     heartbeat must come more often than any default lease expires (it came every 30 min)."""
-    from shardfmt.io.storage import LocalStorage
+    from shardfmt.io.local import LocalStorage
     from shardfmt.saving.writer import _Lease
 
     lease = _Lease(LocalStorage(), str(tmp_path), 7200.0)

@@ -10,7 +10,7 @@ import torch
 
 import shardfmt
 from shardfmt.commit.protocol import STEPS
-from shardfmt.io.storage import LocalStorage
+from shardfmt.io.local import LocalStorage
 from shardfmt.saving.options import SaveOptions, Seams
 from shardfmt.training.roots import list_checkpoints
 

@@ -11,7 +11,7 @@ import torch
 import shardfmt
 from shardfmt.errors import StorageError
 from shardfmt.io import aligned
-from shardfmt.io.storage import LocalStorage
+from shardfmt.io.local import LocalStorage
 from shardfmt.saving.shard_file import ShardData, _gather, write_shard_file
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this OS")
@@ -285,13 +285,13 @@ def test_a_forked_child_has_bounce_buffers_of_its_own():
 
 @pytest.mark.parametrize("direct", ["1", "0"])
 def test_only_reads_through_the_page_cache_are_hinted_to_the_kernel(tmp_path, monkeypatch, direct):
-    from shardfmt.io import storage
+    from shardfmt.io import local
 
     state, path = _saved(tmp_path)
     monkeypatch.setenv("SHARDFMT_DIRECT_IO", direct)
     hints = []
-    real = storage._LocalReader.prefetch
-    monkeypatch.setattr(storage._LocalReader, "prefetch", lambda self, o, n: (hints.append(n), real(self, o, n)))
+    real = local._LocalReader.prefetch
+    monkeypatch.setattr(local._LocalReader, "prefetch", lambda self, o, n: (hints.append(n), real(self, o, n)))
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     shardfmt.load(out, path)
     assert all(torch.equal(out[k], state[k]) for k in state)

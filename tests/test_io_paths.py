@@ -3,7 +3,7 @@
 import torch
 
 import shardfmt
-from shardfmt.io.storage import LocalStorage
+from shardfmt.io.local import LocalStorage
 from shardfmt.saving.shard_file import ShardData, write_shard_file
 
 

@@ -27,7 +27,6 @@ from tests import s3_server
 from tests.conftest import bytes_equal
 from tests.distributed.harness import check_all_ok, launch
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 2}}
 
 pytestmark = pytest.mark.slow  # the moto server's start alone was the fast tier's slowest test
@@ -35,16 +34,8 @@ pytestmark = pytest.mark.slow  # the moto server's start alone was the fast tier
 
 @pytest.fixture(scope="module")
 def server():
-    srv = s3_server.start()
-    old = {k: os.environ.get(k) for k in list(CREDS) + ["AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDS, AWS_ENDPOINT_URL=srv.endpoint)
-    yield srv
-    srv.stop()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with s3_server.serving() as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -77,9 +68,9 @@ def test_save_and_load_round_trip_with_multipart_parts(server, bucket):
     url = f"{bucket}/run/step_1"
     state = _state()
     server.reset_stats()
-    before = shardfmt.io.storage.io_stats()
+    before = shardfmt.io.store.io_stats()
     shardfmt.save(state, url, step=1, storage_options={"part_size": 5 << 20})
-    after, st = shardfmt.io.storage.io_stats(), server.stats()
+    after, st = shardfmt.io.store.io_stats(), server.stats()
     assert st["by_method"].get("POST", 0) >= 2, "an 8 MiB file in 5 MiB parts is a multipart upload"
     # what the client counts is what the server saw (PUTs and multipart POSTs; bodies)
     assert after["write_requests"] - before["write_requests"] == st["by_method"]["PUT"] + st["by_method"]["POST"]
@@ -195,14 +186,14 @@ def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
 def _torn_save_script(root: str) -> str:
     return textwrap.dedent(f"""
         import os, signal, torch, shardfmt
-        import shardfmt.io.fsspec as O
+        import shardfmt.io.multipart as O
         ck = shardfmt.Checkpointer("{root}", storage_options={{"part_size": 5 << 20}})
         ck.save(1, {{"m": torch.nn.Linear(4, 4)}})
-        orig = O._MultipartWriter._upload
+        orig = O.MultipartWriter._upload
         def die_after_first_part(self, number, body, fill):
             orig(self, number, body, fill)
             os.kill(os.getpid(), signal.SIGKILL)  # the process dies mid-upload
-        O._MultipartWriter._upload = die_after_first_part
+        O.MultipartWriter._upload = die_after_first_part
         big = torch.nn.Linear(2048, 2048)  # 16 MiB: several parts
         ck.save(2, {{"m": big}})
     """)
@@ -238,7 +229,7 @@ def test_a_fresh_lease_blocks_a_save_unless_its_holder_died_on_this_host(server,
     fs = _fs(server)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from shardfmt.io.fsspec import lease_identity
+    from shardfmt.commit.lease import lease_identity
 
     me = lease_identity()
     for name, holder in (("live", dict(me, host="another-node", pid=1)),
@@ -339,10 +330,10 @@ def test_racing_saves_of_one_path_commit_exactly_one(server, bucket):
                             CommitRecord(save_id="other", manifest_digest="x").to_json(), exclusive=True)
     assert C.is_committed(storage, path) and shardfmt.validate(url).ok
     # two saves starting together: the LEASE is taken only if absent, so one of them stops at once
-    fresh = storage.join(path + "-b")
-    storage.take_lease(fresh)
+    fresh, marker = storage.join(path + "-b"), C.commit_strategy(storage)
+    marker.take_lease(fresh, "")
     with pytest.raises(CheckpointExistsError, match="at the same time"):
-        storage.take_lease(fresh)
+        marker.take_lease(fresh, "")
 
 
 def test_a_save_whose_data_vanished_is_never_committed(server, bucket):
@@ -413,7 +404,7 @@ def test_a_stale_save_neither_refreshes_nor_removes_the_lease_of_the_save_that_t
     a third save cannot start beside the live one."""
     import time
 
-    from shardfmt.io.fsspec import lease_owner
+    from shardfmt.commit.lease import lease_owner
     from shardfmt.io.registry import get_storage
     from shardfmt.saving.writer import CheckpointWriter, ShardData
 
@@ -606,7 +597,7 @@ def test_a_newer_format_versions_checkpoint_on_s3_is_never_marked_quarantined(se
 
 
 def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monkeypatch):
-    import shardfmt.io.fsspec as O
+    import shardfmt.io.ranged as O
 
     root = f"{bucket}/flaky-restore"
     ck = shardfmt.Checkpointer(root)
@@ -616,7 +607,7 @@ def test_a_storage_error_during_restore_quarantines_nothing(server, bucket, monk
     def throttled(self, offset, buffers):
         raise StorageError(f"{self._st.url(self._path)}: read failed: SlowDown (503)")
 
-    monkeypatch.setattr(O._Reader, "readinto", throttled)
+    monkeypatch.setattr(O.RangedReader, "readinto", throttled)
     with pytest.raises(StorageError, match="nothing was quarantined"):
         ck.restore({"m": torch.nn.Linear(4, 4)})
     monkeypatch.undo()

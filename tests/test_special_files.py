@@ -28,7 +28,7 @@ from deadline import deadline
 import shardfmt
 from reshard.cli import main as reshard_main
 from shardfmt.cli import main as shardfmt_main
-from shardfmt.io.storage import LocalStorage
+from shardfmt.io.local import LocalStorage
 from shardfmt.training.archive import copy_checkpoint
 from shardfmt.training.roots import collect_garbage, list_checkpoints
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reshard._shardfmt import DEFAULT_WORKERS
+from reshard._shardfmt import DEFAULT_WORKERS, FsspecStorage
 from reshard.errors import BudgetError
 from reshard.parse import human
 from reshard.stream.records import ALIGN, aligned
@@ -39,7 +39,7 @@ def fit_uploads(storage, budget: int) -> int:
     flight (measured). For one file open at a time, parts shrink to ``budget / 16`` (at least
     S3's 5 MiB) and at most ``budget / 8`` of parts are in flight; local disk needs nothing.
     """
-    if not getattr(storage, "multipart", False):
+    if not (isinstance(storage, FsspecStorage) and storage.multipart):
         return budget
     part = max(5 << 20, min(storage.part_size, budget // 16))
     conc = max(1, min(storage.write_concurrency, budget // 8 // part))

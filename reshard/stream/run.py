@@ -11,15 +11,16 @@ from typing import Protocol
 import torch
 
 from reshard._shardfmt import (
-    DEFAULT_MAX_READ,
     Executor,
+    LoadOptions,
     Manifest,
+    ReadTarget,
     Storage,
     TargetSlice,
     byte_pieces,
     byte_view,
     check_headers,
-    plan_load,
+    plan_reads,
     torch_dtype,
 )
 from reshard.stream.memory import MemoryPlan
@@ -103,19 +104,18 @@ def fill_window(source: Source, pieces: Sequence[Piece], window: Window, buf: to
     """Read every part of ``window`` from ``source`` into its place in ``buf`` (output dtype,
     row-major): one plan, run by the Executor with the run's fixed bounce buffers."""
     m = source.manifest
-    targets, dsts, dts, bounce = [], [], [], set()
+    targets = []
     for k, part in enumerate(window.parts):
         p = pieces[part.piece]
         region = buf[part.offset : part.offset + part.nbytes]
-        dsts.append(region.view(p.dtype).reshape(part.box.lengths))
-        dts.append(src_dtypes[p.src] if src_dtypes is not None else torch_dtype(m.tensor(p.src).dtype, what=p.src))
-        targets.append(TargetSlice(index=k, fqn=p.src, box=part.box))
-        if dts[-1] != p.dtype:
-            bounce.add(k)
-    plan = plan_load(m, targets, verify=source.verify, max_gap=source.storage.max_gap, max_read=DEFAULT_MAX_READ,
-                     bounce=frozenset(bounce), max_bounce_read=buffers.mem.bounce_read)
-    Executor(source.storage, source.path, m.files, chunk_size=m.chunk_size, src_dtypes=dts, targets=dsts,
-             workers=buffers.mem.workers, bounce_buffers=buffers.bounce, follow_links=source.follow_links).run(plan)
+        dt = src_dtypes[p.src] if src_dtypes is not None else torch_dtype(m.tensor(p.src).dtype, what=p.src)
+        targets.append(ReadTarget(src=TargetSlice(index=k, fqn=p.src, box=part.box), src_dtype=dt,
+                                  dst=region.view(p.dtype).reshape(part.box.lengths), bounce=dt != p.dtype))
+    opts = LoadOptions(verify=source.verify, max_gap=source.storage.max_gap, max_bounce_read=buffers.mem.bounce_read,
+                       workers=buffers.mem.workers)
+    plan = plan_reads(m, targets, opts)
+    Executor(source.storage, source.path, targets, opts, bounce_buffers=buffers.bounce,
+             follow_links=source.follow_links).run(plan)
 
 
 def run_windows(source: Source, pieces: Sequence[Piece], windows: Sequence[Window], sinks: Mapping[int, Sink],

@@ -8,7 +8,7 @@ field checked by its own parser. Limits guard against hostile input (see spec/FO
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,12 @@ class Placement:
     def to_json(self) -> dict:
         return {"mesh_dims": list(self.mesh_dims), "placements": [list(p) for p in self.placements],
                 "stage": self.stage}
+
+
+def view_reach(shape: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from a strided view's storage offset to one past the last element it reaches
+    (1 for a view with no elements along some dim: callers that care check ``numel`` first)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -37,6 +37,7 @@ from shardfmt.format.manifest import (
     Topology,
     ValueRecord,
     ViewRecord,
+    view_reach,
 )
 
 # --------------------------------------------------------------------------- parsing
@@ -429,7 +430,7 @@ def _manifest_fields(o: dict, budget: Budget) -> Manifest:
                 raise _fail(f"tensors[{name!r}].view.base", f"{rec.view.base!r} is not in storages")
             if base.dtype != rec.dtype or len(base.shape) != 1:
                 raise _fail(f"tensors[{name!r}].view", "view must share its storage's dtype; storages are 1-D")
-            extent = rec.view.storage_offset + sum((n - 1) * s for n, s in zip(rec.shape, rec.view.stride)) + 1
+            extent = rec.view.storage_offset + view_reach(rec.shape, rec.view.stride)
             if math.prod(rec.shape) and extent > base.shape[0]:
                 raise _fail(f"tensors[{name!r}].view", f"reaches element {extent - 1} of a {base.shape[0]}-element storage")
     seen_keys: dict[tuple[str, str], str] = {}  # (file, key) -> the record that uses it

@@ -8,7 +8,8 @@ import orjson
 
 from shardfmt.errors import StorageError
 from shardfmt.io.fsspec import fsspec_storage
-from shardfmt.io.storage import LocalStorage, Storage
+from shardfmt.io.local import LocalStorage
+from shardfmt.io.store import Storage
 
 
 def parse_storage_options(raw: str | None) -> dict | None:

@@ -1,4 +1,4 @@
-"""Run a LoadPlan against storage: the only I/O in reshard/.
+"""Run a LoadPlan against storage: the reads of a load, and of the offline tools' runs.
 
 Each physical read either lands straight in the targets' memory (every copy it feeds is
 a contiguous run of source bytes going to a contiguous CPU region of a same-dtype target:
@@ -27,14 +27,15 @@ from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
 from shardfmt.io import aligned
 from shardfmt.io.aligned import DIRECT_ALIGN, address
-from shardfmt.io.storage import FileReader, Storage
+from shardfmt.io.store import FileReader, Storage
+from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
+from shardfmt.loading.targets import ReadTarget
 
-DEFAULT_WORKERS = 4
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
-DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``Executor(sole=...)``)
+DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``ReadTarget.sole``)
 
 
 class _Readers:
@@ -60,7 +61,7 @@ class _Readers:
                 # Object stores: trust the manifest's size (a HEAD per file saved); a short
                 # file then fails its ranged read, a changed one its chunk hashes.
                 r = self._storage.open_reader(self._storage.join(self._root, name),
-                                              size=want if self._storage.object_store else None,
+                                              size=want if self._storage.remote else None,
                                               within=self._within)
                 if r.size != want:
                     r.close()
@@ -152,47 +153,45 @@ def _is_run(item: CopyItem, isz: int) -> bool:
 
 
 class Executor:
-    """Fill ``targets[i]`` (shaped like target ``i``'s box) from the plan's reads.
+    """Fill each target's ``dst`` (shaped like its box) from a plan's reads.
 
-    ``bounce_buffers`` (uint8, one per worker) serve as the workers' bounce buffers instead
-    of buffers allocated per run, so a caller running many plans (offline conversion under a
-    memory budget) keeps one fixed set; each must hold the plan's largest bounced read.
-    ``bounce`` names targets that are never read into directly even when they could be
-    (targets sharing memory: bytes landing there could change before they are hashed).
-    ``sole`` names targets whose bytes no other process on the machine reads (a DTensor
-    sharded on every mesh dim, or any target of a single process): large reads that land
-    straight in them go around the page cache where the storage can (``O_DIRECT``), which
-    saves the kernel's copy and its page allocations; bytes that other ranks may read too
-    stay in the page cache, where they are read from the device once.
-    ``follow_links``: the files under ``root`` may be reached through symbolic links (a
-    Hugging Face folder, never a shardfmt checkpoint: spec section 2).
+    ``targets[i]`` is the ``ReadTarget`` of index ``i``: its memory, its stored dtype, and
+    whether it is read through a bounce buffer (``bounce``: targets sharing memory are never
+    read into directly even when they could be, since bytes landing there could change before
+    they are hashed) or may be read around the page cache (``sole``: no other process on the
+    machine reads its bytes, a DTensor sharded on every mesh dim or any target of a single
+    process; large reads that land straight in it go around the cache where the storage can,
+    ``O_DIRECT``, which saves the kernel's copy and its page allocations; bytes that other
+    ranks may read too stay in the page cache, where they are read from the device once).
+    ``options.workers`` threads read. ``bounce_buffers`` (uint8, one per worker) serve as the
+    workers' bounce buffers instead of buffers allocated per run, so a caller running many
+    plans (offline conversion under a memory budget) keeps one fixed set; each must hold the
+    plan's largest bounced read. ``follow_links``: the files under ``root`` may be reached
+    through symbolic links (a Hugging Face folder, never a shardfmt checkpoint: spec section 2).
+    The plan carries the file records and the hash chunk size its reads are checked against.
     """
 
-    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
-                 chunk_size: int, src_dtypes: Sequence[torch.dtype], targets: Sequence[torch.Tensor],
-                 workers: int = DEFAULT_WORKERS, bounce_buffers: Sequence[torch.Tensor] = (),
-                 bounce: frozenset[int] = frozenset(), sole: frozenset[int] = frozenset(),
+    def __init__(self, storage: Storage, root: str, targets: Sequence[ReadTarget],
+                 options: LoadOptions, *, bounce_buffers: Sequence[torch.Tensor] = (),
                  follow_links: bool = False) -> None:
-        self.follow_links = follow_links
-        self.bounce = bounce
-        self.sole = sole
         self.storage = storage
         self.root = root
-        self.files = files
-        self.chunk_size = chunk_size
-        self.src_dtypes = src_dtypes
         self.targets = targets
-        self.workers = workers
+        self.workers = options.workers
+        self.follow_links = follow_links
         self._given = tuple(bounce_buffers)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
+        self._files: Mapping[str, FileRecord] = {}
+        self._chunk = 0
 
     def run(self, plan: LoadPlan) -> None:
         self._local = threading.local()
         self._free = queue.SimpleQueue()
+        self._files, self._chunk = plan.files, plan.chunk_size
         for b in self._given:
             self._free.put(b)
-        readers = _Readers(self.storage, self.root, self.files, follow_links=self.follow_links)
+        readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         try:
             around = [self._around_cache(r) and readers.get(r.file).direct for r in plan.reads]
             ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)
@@ -206,27 +205,32 @@ class Executor:
                     ahead.starting(k)
                     self._one(r, readers, plan.verify, around=around[k])
             else:
-                with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
-                    futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=around[k])
-                               for k, r in enumerate(plan.reads)]
-                    errors = []
-                    for f in futures:
-                        try:
-                            f.result()
-                        except BaseException as e:  # noqa: BLE001 - re-raised below
-                            errors.append(e)
-                    if errors:
-                        raise errors[0]
+                self._run_pool(plan, readers, ahead, around, workers)
         finally:
             readers.close()
+
+    def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, around: list[bool],
+                  workers: int) -> None:
+        """Run the reads on ``workers`` threads; raise the first read's error once all are done."""
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
+            futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=around[k])
+                       for k, r in enumerate(plan.reads)]
+            errors = []
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    errors.append(e)
+            if errors:
+                raise errors[0]
 
     # -- one physical read
     def _direct_ok(self, read: PhysicalRead) -> bool:
         pos = read.byte_range.start
         for it in read.items:
-            dst = self.targets[it.target]
-            dtype = self.src_dtypes[it.target]
-            if it.target in self.bounce or dst.dtype != dtype or it.src_start < pos or not _is_run(it, dtype.itemsize):
+            t = self.targets[it.target]
+            dst, dtype = t.dst, t.src_dtype
+            if t.bounce or dst.dtype != dtype or it.src_start < pos or not _is_run(it, dtype.itemsize):
                 return False
             if not is_direct(_dst_view(dst, it)):
                 return False
@@ -236,9 +240,9 @@ class Executor:
     def _around_cache(self, read: PhysicalRead) -> bool:
         """Whether ``read`` may go around the page cache: large, on local storage, landing
         straight in targets only this process reads, with few bytes of gap between them."""
-        if self.storage.object_store or read.byte_range.length < DIRECT_MIN_READ:
+        if self.storage.remote or read.byte_range.length < DIRECT_MIN_READ:
             return False
-        if any(it.target not in self.sole for it in read.items):
+        if any(not self.targets[it.target].sole for it in read.items):
             return False
         used = sum(it.src_end - it.src_start for it in read.items)
         return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
@@ -257,7 +261,7 @@ class Executor:
                 if it.src_start > pos:
                     segments.append(memoryview(bytearray(it.src_start - pos)))
                 if it.src_end > it.src_start:
-                    segments.append(byte_view(_dst_view(self.targets[it.target], it)))
+                    segments.append(byte_view(_dst_view(self.targets[it.target].dst, it)))
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
@@ -266,8 +270,8 @@ class Executor:
         buf = self._bounce(end - start)
         self._read(reader, read, [byte_view(buf)], verify)
         for it in read.items:
-            src = _src_view(buf, it.src_start - start, it, self.src_dtypes[it.target])
-            _dst_view(self.targets[it.target], it).copy_(src)
+            t = self.targets[it.target]
+            _dst_view(t.dst, it).copy_(_src_view(buf, it.src_start - start, it, t.src_dtype))
 
     def _bounce(self, n: int) -> torch.Tensor:
         """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for
@@ -289,13 +293,13 @@ class Executor:
               around: bool = False) -> None:
         """Read the segments in cache-sized pieces, hashing each piece as soon as it lands
         (``around``: through ``_read_direct``)."""
-        hasher = ChunkHasher(self.chunk_size) if verify else None
+        hasher = ChunkHasher(self._chunk) if verify else None
         pos = read.byte_range.start
         try:
             if around:
                 _read_direct(reader, read, segments, hasher)
                 segments = []
-            if self.storage.object_store:  # a request is a round trip: one GET for the whole read
+            if self.storage.remote:  # a request is a round trip: one GET for the whole read
                 reader.readinto(pos, segments)
                 if hasher is not None:
                     for seg in segments:
@@ -329,12 +333,12 @@ class Executor:
         return pos + size
 
     def _verify(self, read: PhysicalRead, got: list[str]) -> None:
-        c = self.chunk_size
+        c = self._chunk
         start, end = read.byte_range.start, read.byte_range.end
         if start % c:
             raise IntegrityError(f"{read.file}: read at byte {start} is not chunk-aligned; cannot verify")
         first = start // c
-        want = self.files[read.file].chunks
+        want = self._files[read.file].chunks
         for i, digest in enumerate(got):
             k = first + i
             if k >= len(want) or digest != want[k]:

@@ -29,12 +29,12 @@ land (``dst_offsets`` inside the target box).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from shardfmt.errors import PlanError, ShapeError
 from shardfmt.format.hashing import chunk_span
-from shardfmt.format.manifest import Manifest, ShardRecord
+from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord
 from shardfmt.layout.geometry import (
     Box,
     ByteRange,
@@ -46,15 +46,13 @@ from shardfmt.layout.geometry import (
     split_block,
 )
 from shardfmt.layout.tiling import tiling_problems
-
-DEFAULT_MAX_GAP = 1 << 20  # local disk: reading 1 MiB of gap beats a second request
-DEFAULT_MAX_READ = 64 << 20
-DEFAULT_MAX_BOUNCE_READ = 8 << 20  # reads through a bounce buffer: bounds its memory (x workers)
+from shardfmt.loading.options import DEFAULT_MAX_BOUNCE_READ, DEFAULT_MAX_GAP, DEFAULT_MAX_READ
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TargetSlice:
-    """The caller wants ``box`` (global coordinates) of tensor ``fqn``; ``index`` names its buffer."""
+    """The source end of a read target: the caller wants ``box`` (global coordinates) of the
+    checkpoint's tensor ``fqn``; ``index`` names the destination (``targets.ReadTarget``)."""
 
     index: int
     fqn: str
@@ -92,12 +90,15 @@ class PhysicalRead:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadPlan:
-    """Every read a rank issues, per file in offset order, and the bytes it actually needs."""
+    """Every read a rank issues, per file in offset order, and the bytes it actually needs;
+    with what the executor checks them against (the files' records and hash chunk size)."""
 
     reads: tuple[PhysicalRead, ...]
     needed_bytes: int
     verify: bool
     shards: tuple[tuple[str, ShardRecord], ...] = ()  # (fqn, shard) of every shard read from
+    files: Mapping[str, FileRecord] = field(default_factory=dict)  # every file read from
+    chunk_size: int = 0
 
     @property
     def bytes_to_read(self) -> int:
@@ -155,7 +156,8 @@ def plan_load(
     Targets whose index is in ``bounce`` will be filled through a bounce buffer (strided,
     cast or device targets), and so are strided pieces of any target: their reads are kept
     to ``max_bounce_read`` bytes so the buffers stay small; the others land in place and
-    may use ``max_read``.
+    may use ``max_read``. (``LoadOptions`` owns the defaults; ``targets.plan_reads`` plans
+    a load's ``ReadTarget``s with them.)
 
     No byte of a file is read twice in one plan (``_file_reads``): where an in-place copy
     shares bytes, or a hash chunk, with a bounced read, that part of it is copied out of
@@ -169,15 +171,7 @@ def plan_load(
     used: dict[tuple[str, str], tuple[str, ShardRecord]] = {}
     needed = 0
     for t in targets:
-        try:
-            rec = manifest.tensor(t.fqn)
-        except KeyError:
-            raise PlanError(f"tensor {t.fqn!r} is not in the checkpoint") from None
-        if rec.alias_of is not None or rec.view is not None:
-            raise PlanError(f"tensor {t.fqn!r} is an alias/view; resolve it before planning")
-        if t.box.ndim != len(rec.shape) or not Box.full(rec.shape).contains(t.box):
-            raise ShapeError(f"tensor {t.fqn!r}: requested slice {list(t.box.offsets)}+{list(t.box.lengths)} "
-                             f"is outside its shape {list(rec.shape)}")
+        rec = _checked_record(manifest, t)
         if t.box.is_empty():
             continue
         idx = indexes.get(t.fqn)
@@ -188,8 +182,7 @@ def plan_load(
         if problems:
             raise PlanError(f"tensor {t.fqn!r}: the saved shards do not cover the requested slice "
                             f"{list(t.box.offsets)}+{list(t.box.lengths)} exactly ({problems[0]})")
-        isz = rec.itemsize
-        needed += t.box.numel * isz
+        needed += t.box.numel * rec.itemsize
         for shard, inter in hits:
             used[(shard.file, shard.key)] = (t.fqn, shard)
             local = inter.relative_to(Box(shard.offsets, shard.lengths))
@@ -197,28 +190,47 @@ def plan_load(
             # target) are gathered through a buffer too: keep those reads small
             is_bounce = (t.index in bounce or not is_run(shard.lengths, local)
                          or not is_run(t.box.lengths, inter.relative_to(t.box)))
-            cap = max_bounce_read if is_bounce else max_read
-            strides = row_major_strides(shard.lengths)
-            base = shard.byte_range[0]
-            items = per_file.setdefault((shard.file, is_bounce), [])
-            for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=cap):
-                items.append(CopyItem(
-                    target=t.index,
-                    src_start=base + span.start,
-                    src_end=base + span.end,
-                    src_lengths=span.box.lengths,
-                    src_strides=strides,
-                    dst_offsets=tuple(shard.offsets[d] + span.box.offsets[d] - t.box.offsets[d]
-                                      for d in range(t.box.ndim)),
-                    itemsize=isz,
-                ))
+            per_file.setdefault((shard.file, is_bounce), []).extend(_copies(
+                t, shard, local, rec.itemsize, max_gap=max_gap, max_span=max_bounce_read if is_bounce else max_read))
     reads: list[PhysicalRead] = []
-    for fname in sorted({f for f, _ in per_file}):
+    names = sorted({f for f, _ in per_file})
+    for fname in names:
         reads.extend(_file_reads(fname, per_file.get((fname, False), []), per_file.get((fname, True), []),
                                  manifest, verify=verify, max_gap=max_gap, max_read=max_read,
                                  max_bounce_read=max_bounce_read))
     return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify,
-                    shards=tuple(used[k] for k in sorted(used)))
+                    shards=tuple(used[k] for k in sorted(used)),
+                    files={f: manifest.files[f] for f in names}, chunk_size=manifest.chunk_size)
+
+
+def _checked_record(manifest: Manifest, t: TargetSlice):
+    """The record of ``t``'s tensor, which must be stored (no alias or view) and hold ``t.box``."""
+    try:
+        rec = manifest.tensor(t.fqn)
+    except KeyError:
+        raise PlanError(f"tensor {t.fqn!r} is not in the checkpoint") from None
+    if rec.alias_of is not None or rec.view is not None:
+        raise PlanError(f"tensor {t.fqn!r} is an alias/view; resolve it before planning")
+    if t.box.ndim != len(rec.shape) or not Box.full(rec.shape).contains(t.box):
+        raise ShapeError(f"tensor {t.fqn!r}: requested slice {list(t.box.offsets)}+{list(t.box.lengths)} "
+                         f"is outside its shape {list(rec.shape)}")
+    return rec
+
+
+def _copies(t: TargetSlice, shard: ShardRecord, local: Box, isz: int, *, max_gap: int,
+            max_span: int) -> list[CopyItem]:
+    """The copies that move ``local`` (a box of ``shard``) into its place in target ``t``."""
+    strides = row_major_strides(shard.lengths)
+    base = shard.byte_range[0]
+    return [CopyItem(
+        target=t.index,
+        src_start=base + span.start,
+        src_end=base + span.end,
+        src_lengths=span.box.lengths,
+        src_strides=strides,
+        dst_offsets=tuple(shard.offsets[d] + span.box.offsets[d] - t.box.offsets[d] for d in range(t.box.ndim)),
+        itemsize=isz,
+    ) for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=max_span)]
 
 
 def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], manifest: Manifest, *,
@@ -308,21 +320,10 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
                     close(upto=max(outer(i)[1] for i in cur))
                     cur, nxt = [], carried + [it]
             else:
-                parts = _cut_items([it], cur_end)
-                if parts is not None:
-                    head, nxt = parts
-                    cur.extend(head)
-                    if not nxt:  # all of ``it`` lies inside the read
-                        continue
-                    # the copies after ``it`` that start inside the read are cut there too, so
-                    # every copy left starts at or after the next read's start
-                    while k < len(items) and items[k].src_start < cur_end:
-                        more = _cut_items([items[k]], cur_end)
-                        if more is None:
-                            break
-                        cur.extend(more[0])
-                        nxt.extend(more[1])
-                        k += 1
+                carried = _carry_past(items, k, cur, cur_end)
+                if carried is None:  # all of ``it`` lies inside the read
+                    continue
+                nxt, k = carried
         if cur:
             close()
         cur = nxt
@@ -332,6 +333,30 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
     if cur:
         close()
     return out
+
+
+def _carry_past(items: list[CopyItem], k: int, cur: list[CopyItem], end: int) -> tuple[list[CopyItem], int] | None:
+    """Cut ``items[k - 1]`` at ``end``, the end of the read ``cur`` is becoming: its part before
+    ``end`` joins ``cur``. Return None when all of it lies before ``end``; else the parts to carry
+    to the next read and the index of the next copy to group. The copies after it that start
+    before ``end`` are cut there too, so every copy carried starts at or after the next read's
+    start (an edge inside an element stops the cutting: that chunk is then read twice)."""
+    it = items[k - 1]
+    parts = _cut_items([it], end)
+    if parts is None:
+        return [it], k
+    head, nxt = parts
+    cur.extend(head)
+    if not nxt:
+        return None
+    while k < len(items) and items[k].src_start < end:
+        more = _cut_items([items[k]], end)
+        if more is None:
+            break
+        cur.extend(more[0])
+        nxt.extend(more[1])
+        k += 1
+    return nxt, k
 
 
 def _cut_items(items: list[CopyItem], cut: int) -> tuple[list[CopyItem], list[CopyItem]] | None:

@@ -7,10 +7,11 @@ one it records; anything else is refused before a single data byte is read.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shardfmt.commit.names import parse_step_dir
-from shardfmt.commit.protocol import committed_aside
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
     CommitError,
@@ -34,7 +35,7 @@ from shardfmt.format.manifest import (
 from shardfmt.format.parse import parse_commit, parse_manifest
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
 from shardfmt.io.registry import get_storage
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,14 +50,7 @@ class Checkpoint:
 
 def resolve_path(storage: Storage, path: str) -> str:
     """Return ``path``, or the committed ``<path>.old-*`` an interrupted overwrite left."""
-    if not storage.atomic_rename:
-        return path  # no renames, so no aside copies; a missing marker says "no checkpoint"
-    if storage.exists(path):
-        return path
-    aside = committed_aside(storage, path)
-    if aside is not None:
-        return aside
-    raise CheckpointNotFoundError(f"{path}: no checkpoint there")
+    return commit_strategy(storage).resolve(path)
 
 
 def _read_member(storage: Storage, path: str, name: str, *, limit: int) -> bytes:
@@ -79,7 +73,7 @@ def read_commit(storage: Storage, path: str) -> CommitRecord:
     try:
         raw = _read_member(storage, path, COMMITTED_NAME, limit=MAX_COMMITTED_BYTES)
     except CheckpointNotFoundError:
-        if not storage.atomic_rename and not storage.exists(path):
+        if commit_strategy(storage).in_place and not storage.exists(path):
             raise CheckpointNotFoundError(f"{storage.url(path)}: no checkpoint there") from None
         raise not_a_checkpoint(storage, path) from None
     return parse_commit(raw, source=storage.url(marker))
@@ -152,9 +146,7 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
     for fqn, shard in shards:
         by_file.setdefault(shard.file, []).append((fqn, shard))
     names = sorted(by_file)
-    if storage.object_store and len(names) > 1:  # a round trip each: issue them together
-        from concurrent.futures import ThreadPoolExecutor
-
+    if storage.remote and len(names) > 1:  # a round trip each: issue them together
         with ThreadPoolExecutor(max_workers=min(len(names), storage.read_concurrency)) as ex:
             for f in [ex.submit(_check_file_header, storage, path, manifest, n, by_file[n]) for n in names]:
                 f.result()
@@ -166,7 +158,7 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
 def _check_file_header(storage: Storage, path: str, manifest: Manifest, name: str,
                        shards: list[tuple[str, ShardRecord]]) -> None:
     frec = manifest.files[name]
-    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.object_store else None,
+    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.remote else None,
                                  within=path)
     try:
         if reader.size != frec.size:

@@ -27,7 +27,7 @@ from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_heade
 from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
 from shardfmt.io import aligned
 from shardfmt.io.aligned import DIRECT_ALIGN, address
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.saving.messages import WrittenFile
 from shardfmt.saving.options import DEFAULT_PART_SIZE
 

@@ -11,7 +11,7 @@ import torch
 
 from shardfmt.errors import StateDictError
 from shardfmt.format.dtypes import dtype_code
-from shardfmt.format.manifest import MAX_NDIM, ViewRecord
+from shardfmt.format.manifest import MAX_NDIM, ViewRecord, view_reach
 
 
 def check_saveable(fqn: str, t: torch.Tensor) -> None:
@@ -32,11 +32,6 @@ def _storage_key(t: torch.Tensor) -> tuple | None:
         return None
     ptr = t.untyped_storage().data_ptr()
     return None if ptr == 0 else (t.device.type, t.device.index, ptr)
-
-
-def extent(t: torch.Tensor) -> int:
-    """Elements from the storage offset to one past the last element the view reaches."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def plan_sharing(plain: dict[str, torch.Tensor]):
@@ -61,7 +56,7 @@ def plan_sharing(plain: dict[str, torch.Tensor]):
         if len({t.dtype for t in ts}) != 1:
             continue  # reinterpreted bytes of different dtypes: store each on its own
         lo = min(t.storage_offset() for t in ts)
-        hi = max(t.storage_offset() + extent(t) for t in ts)
+        hi = max(t.storage_offset() + view_reach(t.shape, t.stride()) for t in ts)
         base_name = f".storage.{names[0]}"  # a leading dot: never a user FQN; unique per group
         storages[base_name] = torch.as_strided(ts[0], (hi - lo,), (1,), lo)
         for n, t in zip(names, ts):

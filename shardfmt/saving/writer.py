@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
-import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from shardfmt.format.manifest import (
 )
 from shardfmt.format.parse import check_step
 from shardfmt.io.registry import get_storage
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.saving.messages import WrittenFile
@@ -75,37 +74,7 @@ class _TensorMeta:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
-class _Lease:
-    """Keep a save's lease fresh while it runs, so collectors leave it alone.
-
-    Local disk: the staging dir's mtime. Object stores: the ``LEASE`` object under the
-    checkpoint's prefix (``storage.touch``); ``stop`` joins the heartbeat and removes it.
-    """
-
-    def __init__(self, storage: Storage, path: str, lease_seconds: float, owner: str = "") -> None:
-        self._storage = storage
-        self._path = path
-        self._stop = threading.Event()
-        self.lost = False  # the lease was gone or another save's at a heartbeat: never commit then
-        # at least every 30 s whatever this save's lease: a collector of another job on the same
-        # root judges it by its own lease (the defaults are 120 s and more), not by this one's
-        self.interval = interval = max(0.5, min(lease_seconds, 120.0) / 4)
-
-        def beat() -> None:
-            while not self._stop.wait(interval):
-                if storage.touch(path, owner) is False:
-                    self.lost = True
-                    return
-
-        self._thread = threading.Thread(target=beat, name="shardfmt-lease", daemon=True)
-        self._thread.start()
-
-    def stop(self, *, release: bool = False) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-        if release:
-            self._storage.drop_lease(self._path)
+_Lease = _commit.Heartbeat  # a save's lease, kept fresh while it writes (commit.protocol)
 
 
 class CheckpointWriter:
@@ -189,7 +158,7 @@ class CheckpointWriter:
     @property
     def name_tag(self) -> str | None:
         """What data file names carry (``rank_file_name``): the save id on object stores."""
-        return None if self.storage.atomic_rename else self.save_id
+        return self.save_id if _commit.commit_strategy(self.storage).in_place else None
 
     # -- 2) data files
     def write_rank(self, rank: int, shards: Sequence[ShardData], *, part: int | None = None,

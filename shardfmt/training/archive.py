@@ -24,9 +24,8 @@ from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing
 from shardfmt.format.manifest import DATA_DIR, Manifest
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.saving.writer import _Lease
 from shardfmt.validation import check_files
 
 COPY_PIECE = 16 << 20
@@ -48,7 +47,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         raise CheckpointExistsError(f"{dst_storage.url(dst_path)}: holds another checkpoint "
                                     f"(save {there.manifest.save_id}, not {m.save_id})")
     staging = _commit.prepare(dst_storage, dst_path, m.save_id, overwrite=False)
-    lease = _Lease(dst_storage, staging, dst_storage.lease_seconds, m.save_id)
+    lease = _commit.Heartbeat(dst_storage, staging, dst_storage.lease_seconds, m.save_id)
     try:
         dst_storage.makedirs(dst_storage.join(staging, DATA_DIR))
         buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))

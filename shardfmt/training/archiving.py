@@ -15,9 +15,9 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from shardfmt.commit.names import parse_step_dir, step_dir_name
-from shardfmt.commit.protocol import is_committed
+from shardfmt.commit.protocol import commit_strategy, is_committed
 from shardfmt.errors import ShardfmtError
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.training.archive import copy_checkpoint, copy_with_retries
 from shardfmt.training.options import ArchivePolicy
 from shardfmt.training.roots import collect_garbage
@@ -75,7 +75,7 @@ class Archiver:
                           f"retrying): {e}", stacklevel=2)
 
         try:  # a copy killed part-way (its lease expired) would block copying that checkpoint again;
-            if self.archive_storage.atomic_rename:  # object stores: prepare() clears dst's dead leftover
+            if not commit_strategy(self.archive_storage).in_place:  # in place: prepare() clears dst's dead leftover
                 collect_garbage(self.archive_storage, self.archive_root)
         except _FAILURES as e:
             warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",

@@ -42,8 +42,8 @@ from typing import Any
 
 from shardfmt.api import save
 from shardfmt.commit.names import step_dir_name
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import StateDictError
-from shardfmt.format.manifest import QUARANTINED_NAME
 from shardfmt.io.registry import get_storage
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
@@ -135,8 +135,7 @@ class Checkpointer:
             self._check_root()
         self.storage.makedirs(self.root)
         url = self.storage.url(path)
-        if (not self.storage.atomic_rename and self._ranks.rank() == 0
-                and self.storage.exists(self.storage.join(path, QUARANTINED_NAME))):
+        if self._ranks.rank() == 0 and commit_strategy(self.storage).marked_quarantined(path):
             # object stores quarantine in place (no rename): a new save of the step replaces it
             warnings.warn(f"{url}: replacing the quarantined checkpoint of step {step}", stacklevel=3)
             self.storage.remove_tree(path)

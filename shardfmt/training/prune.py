@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.training.options import RetentionPolicy
 from shardfmt.training.retention import to_delete
 from shardfmt.training.roots import checkpoint_status, step_paths

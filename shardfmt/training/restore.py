@@ -29,6 +29,7 @@ from typing import Any
 
 from shardfmt.api import load
 from shardfmt.commit.names import quarantine_dir_name
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
     CompatibilityError,
@@ -37,8 +38,7 @@ from shardfmt.errors import (
     StateDictError,
     StorageError,
 )
-from shardfmt.format.manifest import QUARANTINED_NAME
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.compat import check_compat
 from shardfmt.training.entries import apply, for_restore, optimizer_signature
@@ -67,7 +67,7 @@ def check_root(storage: Storage, root: str, *, allow_fresh_start: bool, rank: in
     if kind == "orphan":
         url, parent = storage.url(root), root_parent(storage, root)
         msg = (f"{url}: the Checkpointer root does not exist, nor does "
-               f"{'its bucket' if storage.object_store else 'its parent'} {parent} (a misspelled path?)")
+               f"{'its bucket' if storage.remote else 'its parent'} {parent} (a misspelled path?)")
         if not allow_fresh_start:
             raise CheckpointNotFoundError(f"{msg}: create {parent}, or pass allow_fresh_start=True to "
                                           "start from scratch there")
@@ -81,10 +81,7 @@ def quarantine(storage: Storage, path: str, reason: str) -> None:
     object stores) so that no restore tries it again; warn if that fails."""
     dest = quarantine_dir_name(path, uuid.uuid4().hex[:8])
     try:
-        if storage.atomic_rename:
-            storage.rename(path, dest)
-        else:
-            storage.write_bytes(storage.join(path, QUARANTINED_NAME), reason.encode())
+        commit_strategy(storage).quarantine(path, dest, reason)
     except ShardfmtError as e:
         warnings.warn(f"could not quarantine {path}: {e}", stacklevel=5)
 
@@ -103,7 +100,7 @@ def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
                 "type": "StorageError"}
     if kind == "new":
         log.info("%s: no Checkpointer root there yet (its %s exists): a first run", root.storage.url(root.root),
-                 "bucket" if root.storage.object_store else "parent")
+                 "bucket" if root.storage.remote else "parent")
     out, seen_any = [], False
     for tier in ([root] if kind == "root" else []) + ([archive] if archive is not None else []):
         try:

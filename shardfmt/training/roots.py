@@ -9,12 +9,11 @@ A live save keeps its lease fresh, so a collector never touches it.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 
 from shardfmt.commit.names import is_quarantined_dir, parse_step_dir
-from shardfmt.commit.protocol import is_data_file, is_save_leftover
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
@@ -24,7 +23,7 @@ from shardfmt.errors import (
 )
 from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
 from shardfmt.io.registry import get_storage
-from shardfmt.io.storage import Storage
+from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.retention import lease_expired
 
@@ -52,7 +51,7 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
         return "quarantined", None, None, "renamed aside by a restore that found it unusable"
     if not storage.exists(storage.join(path, COMMITTED_NAME)):
         return "incomplete", None, None, f"no {COMMITTED_NAME}"
-    if not storage.atomic_rename and storage.exists(storage.join(path, QUARANTINED_NAME)):
+    if commit_strategy(storage).marked_quarantined(path):
         return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
     if markers_only:
         return "committed", None, None, ""
@@ -95,10 +94,14 @@ def _parent_dir(root: str) -> str:
     return root.rstrip("/").rsplit("/", 1)[0] or "/"
 
 
+def _bucket(root: str) -> str:
+    return root.lstrip("/").split("/", 1)[0]
+
+
 def root_parent(storage: Storage, root: str) -> str:
     """The URL of what must exist for a missing ``root`` to be a first run: its parent directory,
     or on an object store (where prefixes exist only by holding objects) its bucket."""
-    return storage.url(root.lstrip("/").split("/", 1)[0] if storage.object_store else _parent_dir(root))
+    return storage.url(_bucket(root) if storage.remote else _parent_dir(root))
 
 
 def probe_root(storage: Storage, root: str) -> str:
@@ -118,9 +121,8 @@ def probe_root(storage: Storage, root: str) -> str:
         return "root"
     if storage.exists(root):
         raise CheckpointNotFoundError(f"{storage.url(root)}: is a file, not a Checkpointer root (a directory)")
-    bucket_exists = getattr(storage, "bucket_exists", None)
-    if storage.object_store and bucket_exists is not None:
-        return "new" if bucket_exists(root) else "orphan"
+    if storage.remote:  # prefixes exist only by holding objects: what must exist is the bucket
+        return "new" if storage.bucket_exists(root) else "orphan"
     return "new" if storage.isdir(_parent_dir(root)) else "orphan"
 
 
@@ -145,9 +147,8 @@ def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dic
 def step_paths(storage: Storage, root: str) -> list[tuple[int, str]]:
     """Every ``step_*`` under ``root``, oldest first, as (step, path): one listing, nothing opened."""
     if not storage.exists(root):
-        check = getattr(storage, "check_bucket", None)
-        if check is not None:
-            check(root)  # an empty root is fine; a misspelled bucket is an error, not "no checkpoints"
+        if not storage.bucket_exists(root):  # an empty root is fine; a misspelled bucket is an error
+            raise StorageError(f"{storage.url(root)}: the bucket {_bucket(root)!r} does not exist")
         return []
     found = [(parse_step_dir(name), storage.join(root, name)) for name in storage.listdir(root)]
     return sorted((step, path) for step, path in found if step is not None)
@@ -171,19 +172,6 @@ def newest_committed(storage: Storage, root: str) -> str | None:
     return None
 
 
-_STAGING_RE = re.compile(r".+\.tmp-[0-9a-f]{16}")  # <name>.tmp-<save id> (spec section 2)
-
-
-def _is_staging_dir(storage: Storage, root: str, name: str) -> bool:
-    """Whether ``root/name`` is a local save's staging dir: its name, and nothing in it but what
-    a save writes: a real directory (not a link) of regular files with a save's names
-    (``list_tree`` refuses a link, FIFO or device anywhere in it: then it is kept)."""
-    path = storage.join(root, name)
-    if not _STAGING_RE.fullmatch(name) or not storage.isdir(path):
-        return False
-    return all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in storage.list_tree(path, within=root))
-
-
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
                     now: float | None = None, dry_run: bool = False) -> list[str]:
     """Remove what dead saves left under ``root``; return the URLs removed (or, dry, to remove)."""
@@ -191,30 +179,24 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
     now = time.time() if now is None else now
     if not storage.exists(root):
         return []
+    strategy = commit_strategy(storage)
     removed: list[str] = []
     states: dict[str, str] = {}
 
     def state(name: str) -> str:
         """What lies under ``root/name``: "committed", "dead" (a dead save's) or "keep"."""
         if name not in states:
-            path = storage.join(root, name)
             try:
-                if not storage.atomic_rename and storage.exists(storage.join(path, COMMITTED_NAME)):
-                    states[name] = "committed"  # retention's business, never gc's
-                elif not storage.atomic_rename and not is_save_leftover(storage, path):
-                    states[name] = "keep"  # not what a save writes: not ours to remove
-                elif storage.atomic_rename and not _is_staging_dir(storage, root, name):
-                    states[name] = "keep"  # "notes.tmp-2024.txt", "photos.tmp-backup/": a user's, not a save's
-                else:
-                    states[name] = "dead" if lease_expired(storage.mtime(path), now, lease) else "keep"
+                states[name] = strategy.leftover_state(root, name)
+                if states[name] == "leftover":
+                    expired = lease_expired(strategy.lease_time(storage.join(root, name)), now, lease)
+                    states[name] = "dead" if expired else "keep"
             except ShardfmtError:
                 states[name] = "keep"
         return states[name]
 
     for name in storage.listdir(root):
-        if ".tmp-" not in name and not (parse_step_dir(name) is not None and not storage.atomic_rename):
-            continue
-        if state(name) != "dead":
+        if not strategy.may_be_leftover(name) or state(name) != "dead":
             continue
         path = storage.join(root, name)
         try:
@@ -226,12 +208,11 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
     # Uploads a dead save began and never completed (invisible, but stored and billed): the
     # checkpoint they belong to is judged by its lease, not by the upload's own start time;
     # under a committed checkpoint the save is over, so its leftover uploads go too.
-    list_uploads = getattr(storage, "list_uploads", None)
-    for upload_path, upload_id, _started in (list_uploads(root) if list_uploads else []):
+    for upload_path, upload_id in strategy.dead_uploads(root):
         name = upload_path[len(root.rstrip("/")) + 1:].split("/", 1)[0]
         if state(name) == "keep":
             continue
         if not dry_run:
-            storage.abort_upload(upload_path, upload_id)
+            strategy.abort_upload(upload_path, upload_id)
         removed.append(f"{storage.url(upload_path)} (incomplete multipart upload)")
     return removed

@@ -1,0 +1,2 @@
+"""The harness: declarations (``model``), plan (rounds, rotation, jobs), worker (one rank),
+launch, statistics and verdicts (``verdict``), report, driver."""

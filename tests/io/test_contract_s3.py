@@ -1,0 +1,35 @@
+"""The byte store and commit contracts on S3 (s3fs against moto's server on loopback)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from shardfmt.io.registry import get_storage
+from tests import s3_server
+from tests.io.contract import ByteStoreContract, CommitContract
+
+s3fs = pytest.importorskip("s3fs")
+
+
+
+@pytest.fixture(scope="module")
+def server():
+    with s3_server.serving() as srv:
+        yield srv
+
+
+@pytest.fixture
+def store(server):
+    name = "c" + uuid.uuid4().hex[:12]
+    s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True).mkdir(name)
+    return get_storage(f"s3://{name}/root")
+
+
+class TestS3ByteStore(ByteStoreContract):
+    pass
+
+
+class TestS3Commit(CommitContract):
+    pass

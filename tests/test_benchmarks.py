@@ -1,0 +1,207 @@
+"""The benchmark harness: its verdicts, its plans and floors, and one scenario end to end.
+
+The verdict tests use synthetic numbers: a target gets "pass" or "fail" only when the
+spreads separate, and no verdict when they overlap or when too few rounds were judged.
+The smoke test runs ``benchmarks/run.py save-load`` at 2 MiB, 3 rounds (the driver in this
+process, the rank in a process of its own: ~10 s on a 2-core machine, more when it is busy)
+and reads its JSON report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks import floors, states  # noqa: E402
+from benchmarks.harness import compare, plan, verdict  # noqa: E402
+from benchmarks.harness.model import Phase, Ref, Scenario, StateSpec, ratio, throughput  # noqa: E402
+
+CAND, FLOOR = Ref(phase="save", candidate="shardfmt.save"), Ref(phase="save", candidate="floor.write")
+
+
+def spreads(cand: list[float], floor: list[float]) -> dict:
+    return {CAND: verdict.summarize(cand), FLOOR: verdict.summarize(floor)}
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def test_summarize_gives_median_quartiles_and_range():
+    s = verdict.summarize([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (s.n, s.median, s.min, s.max, s.q1, s.q3) == (5, 3.0, 1.0, 5.0, 2.0, 4.0)
+    assert s.interval("iqr") == (2.0, 4.0) and s.interval("range") == (1.0, 5.0)
+    with pytest.raises(ValueError):
+        verdict.summarize([])
+
+
+def test_throughput_target_passes_only_when_the_spreads_separate():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    # candidate 1.0-1.1 s, floor 1.0-1.1 s: floor/candidate lies in 0.91..1.1, all >= 0.9
+    v = verdict.judge(t, spreads([1.0, 1.02, 1.05, 1.08, 1.1], [1.0, 1.02, 1.05, 1.08, 1.1]))
+    assert v.verdict == "pass" and v.value == pytest.approx(1.0)
+    assert v.lo == pytest.approx(1.02 / 1.08) and v.hi == pytest.approx(1.08 / 1.02)
+
+
+def test_throughput_target_fails_only_when_the_spreads_separate():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    v = verdict.judge(t, spreads([2.0, 2.1, 2.2, 2.3, 2.4], [1.0, 1.02, 1.05, 1.08, 1.1]))
+    assert v.verdict == "fail" and v.hi < 0.9
+
+
+def test_overlapping_spreads_give_no_verdict_even_when_the_medians_pass():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    v = verdict.judge(t, spreads([0.8, 0.9, 1.0, 1.3, 1.6], [0.9, 1.0, 1.0, 1.1, 1.2]))
+    assert v.value == pytest.approx(1.0)  # the medians alone would say pass
+    assert v.verdict == verdict.OVERLAP and v.lo < 0.9 <= v.hi
+
+
+def test_one_outlier_round_moves_the_range_but_not_the_iqr():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    sp = spreads([1.0, 1.0, 1.0, 1.0, 3.0], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert verdict.judge(t, sp, spread="iqr").verdict == "pass"
+    assert verdict.judge(t, sp, spread="range").verdict == verdict.OVERLAP
+
+
+def test_at_most_targets_sums_and_constants():
+    mem, sync, total = (Ref(phase="save", candidate=c) for c in ("memcpy", "shardfmt.save", "async"))
+    t = ratio("total <= sync + memcpy", total, "<=", 1.0, (sync, mem))
+    sp = {mem: verdict.summarize([0.2] * 5), sync: verdict.summarize([1.0] * 5),
+          total: verdict.summarize([1.1, 1.1, 1.15, 1.15, 1.18])}
+    assert verdict.judge(t, sp).verdict == "pass"
+    sp[total] = verdict.summarize([1.3, 1.4, 1.5, 1.6, 1.7])
+    assert verdict.judge(t, sp).verdict == "fail"
+    rss = Ref(phase="save", candidate="x", metric="rss_growth")
+    cap = ratio("rss <= 100 MiB", rss, "<=", 1.0, 100 << 20)
+    assert verdict.judge(cap, {rss: verdict.summarize([90 << 20] * 3)}).verdict == "pass"
+
+
+def test_no_verdict_from_too_few_rounds_or_a_missing_measurement():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    assert verdict.judge(t, spreads([1.0, 1.0], [5.0, 5.0])).verdict == verdict.FEW
+    v = verdict.judge(t, {CAND: verdict.summarize([1.0] * 5)})
+    assert v.verdict == "n/a" and "floor.write" in v.note
+
+
+def test_paired_ratios_are_computed_within_each_round():
+    t = throughput("save", "shardfmt.save", 0.9, "floor.write")
+    per = {CAND: {1: 2.0, 2: 1.0, 3: 4.0}, FLOOR: {1: 1.0, 2: 1.0, 4: 9.0}}
+    v = verdict.judge(t, spreads([2.0, 1.0, 4.0], [1.0, 1.0, 9.0]), per)
+    assert v.paired == (0.5, 1.0)
+
+
+def _report(floor: list[float], cand: list[float]) -> dict:
+    def row(name, secs):
+        return {"phase": "save", "candidate": name, "primary": "seconds",
+                "metrics": {"seconds": {"rounds": {str(k + 1): v for k, v in enumerate(secs)}}}}
+    return {"rows": [row("floor.write", floor), row("shardfmt.save", cand)]}
+
+
+def test_compare_judges_two_runs_on_their_ratios_to_the_same_rounds_floor():
+    before = _report([1.0, 2.0, 1.5, 1.2, 3.0], [1.0, 2.0, 1.5, 1.2, 3.0])  # 1.0x the floor, slow disk
+    faster_disk = _report([0.5] * 5, [0.5, 0.55, 0.5, 0.52, 0.5])            # seconds halve: still ~1.0x
+    assert compare.compare(before, faster_disk)[0]["outcome"] == "same within the spread"
+    worse = _report([0.5] * 5, [1.1, 1.1, 1.2, 1.15, 1.2])
+    assert [r["outcome"] for r in compare.compare(before, worse)] == ["worse"]
+    assert compare.compare(worse, before)[0]["outcome"] == "better"
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def test_schedule_rotates_every_candidate_through_every_position():
+    steps = plan.schedule(["a", "b", "c"], rounds=3, warmup=1)
+    assert [r for r, _ in steps] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    firsts = [steps[k][1] for k in range(3, 12, 3)]
+    assert sorted(firsts) == ["a", "b", "c"]
+
+
+def test_jobs_share_a_process_per_world_and_check_what_loads_read():
+    sc = Scenario(name="t", doc="", state=StateSpec(builder="transformer", size_mib=8), ranks=2, phases=(
+        Phase(name="save", kind="save", candidates=("floor.write", "shardfmt.save")),
+        Phase(name="load", kind="load", candidates=("floor.read", "shardfmt.load")),
+        Phase(name="2->4", kind="load", world=4, candidates=("shardfmt.load",)),
+    ))
+    jobs = plan.plan_jobs(sc, plan.Options(size_mib=8, rounds=2, warmup=0))
+    assert [(j.world, [p.name for p in j.phases]) for j in jobs] == [(2, ["save", "load"]), (4, ["2->4"])]
+    assert dict(jobs[1].phases[0].src_world) == {"shardfmt.load": 2}
+    bad = Scenario(name="t", doc="", state=sc.state, ranks=2, phases=(
+        Phase(name="load", kind="load", candidates=("shardfmt.load",)),))
+    with pytest.raises(ValueError, match="no earlier phase saves"):
+        plan.plan_jobs(bad, plan.Options(size_mib=8))
+    torch_only = Scenario(name="t", doc="", state=sc.state, ranks=2, phases=(
+        Phase(name="save", kind="save", candidates=("torch.save",)),
+        Phase(name="2->4", kind="load", world=4, candidates=("torch.load",))))
+    with pytest.raises(ValueError, match="only on the world that saved"):
+        plan.plan_jobs(torch_only, plan.Options(size_mib=8))
+
+
+# ----------------------------------------------------------------------------- states and floors
+
+
+def test_any_slice_of_the_formula_is_the_slice_of_the_whole():
+    spec = states.TensorSpec(fqn="w", shape=(8, 6), dtype="bfloat16")
+    whole = states.gen(3, states.box(spec, "full", 1, 0), "bfloat16", "cpu")
+    for layout, world, rank in (("rows", 4, 2), ("cols", 2, 1), ("cols", 1, 0)):
+        b = states.box(spec, layout, world, rank)
+        sl = tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))
+        assert torch.equal(states.gen(3, b, "bfloat16", "cpu"), whole[sl])
+
+
+@pytest.mark.parametrize("layout,world", [("rows", 2), ("rows", 4), ("full", 1)])
+def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world):
+    specs = states.transformer(1, replicated=True)
+    for q in range(2):
+        built = states.build(specs, "rows", 2, q, device="cpu", values=True)
+        floors.write_floor(str(tmp_path / f"rank_{q}.bin"), built.locals, hashed=True, fsync=False)
+    for rank in range(world):
+        targets = states.build(specs, layout, world, rank, device="cpu", values=False)
+        reads, exact = floors.floor_reads(specs, targets.boxes, str(tmp_path), src_world=2, rank=rank)
+        assert exact
+        floors.read_floor(reads, targets.locals, hashed=True)
+        states.check(targets, f"{layout} on {world}, rank {rank}")
+
+
+def test_floors_through_host_buffers_as_on_a_gpu(tmp_path):
+    """The --device cuda path of the floors (bounce through host buffers), run with CPU tensors."""
+    specs = states.transformer(1)
+    built = states.build(specs, "rows", 1, 0, device="cpu", values=True)
+    host = [torch.empty_like(t) for t in built.locals]
+    floors.write_floor(str(tmp_path / "rank_0.bin"), built.locals, hashed=True, fsync=True, host=host)
+    targets = states.build(specs, "rows", 1, 0, device="cpu", values=False)
+    reads, exact = floors.floor_reads(specs, targets.boxes, str(tmp_path), src_world=1, rank=0)
+    floors.read_floor(reads, targets.locals, hashed=True, host=[torch.empty_like(t) for t in targets.locals])
+    assert exact
+    states.check(targets, "through host buffers")
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_one_scenario_end_to_end_writes_medians_spreads_and_verdicts(tmp_path, capsys):
+    from benchmarks import run as bench
+
+    out = tmp_path / "report.json"
+    rc = bench.main(["save-load", "--size-mib", "2", "--rounds", "3", "--warmup", "0", "--json", str(out),
+                     "--dir", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert rc in (0, 1), text[-3000:]
+    rep = json.loads(out.read_text())
+    rows = {(r["phase"], r["candidate"]): r for r in rep["rows"]}
+    assert ("load", "shardfmt.load") in rows and ("save", "floor.write") in rows
+    s = rows[("save", "shardfmt.save")]["metrics"]["seconds"]
+    assert set(s["spread"]) == {"n", "median", "min", "max", "q1", "q3"} and s["spread"]["n"] == 3
+    assert s["spread"]["min"] <= s["spread"]["q1"] <= s["spread"]["median"] <= s["spread"]["q3"] <= s["spread"]["max"]
+    assert sorted(s["rounds"]) == ["1", "2", "3"]
+    assert len(rep["targets"]) == 4
+    assert all(t["verdict"] in ("pass", "fail", verdict.OVERLAP) for t in rep["targets"])
+    assert all(t["lo"] <= t["value"] <= t["hi"] for t in rep["targets"])
+    assert "targets (verdict only when" in text and rep["meta"]["rounds"] == 3
+    assert [n for n in os.listdir(tmp_path) if n.startswith("shardfmt-bench-")] == []  # the scratch is removed
