@@ -185,6 +185,7 @@ def test_floors_through_host_buffers_as_on_a_gpu(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_one_scenario_end_to_end_writes_medians_spreads_and_verdicts(tmp_path, capsys):
     from benchmarks import run as bench
 

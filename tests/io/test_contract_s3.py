@@ -10,7 +10,7 @@ from shardfmt.io.registry import get_storage
 from tests import s3_server
 from tests.io.contract import ByteStoreContract, CommitContract
 
-s3fs = pytest.importorskip("s3fs")
+pytestmark = pytest.mark.slow  # a moto server and a bucket per test (~7 s CPU); memory:// runs the same contracts fast
 
 
 
@@ -22,6 +22,7 @@ def server():
 
 @pytest.fixture
 def store(server):
+    s3fs = pytest.importorskip("s3fs")  # here, not at collection (1 s of every run)
     name = "c" + uuid.uuid4().hex[:12]
     s3fs.S3FileSystem(endpoint_url=server.endpoint, skip_instance_cache=True).mkdir(name)
     return get_storage(f"s3://{name}/root")
