@@ -2,7 +2,7 @@
 
 - Whole suite (CI: ``python -m pytest -q``): every test, every property test at its full count.
 - Fast tier (``python -m pytest -m "not slow" -q``, the development loop, under 60 s): tests
-  marked ``slow`` are left out (real processes, big states, the S3 server's slow paths, fuzzers,
+  marked ``slow`` are left out (real processes, big states, the moto S3 server, fuzzers,
   timing bounds at scale) and conftest loads the hypothesis profile ``fast``, under which a
   property test runs ``examples(n)``: a tenth of its examples, at least 10. The same properties,
   fewer draws; CI keeps the full count. ``--hypothesis-profile=fast`` gives the reduced count to
