@@ -6,6 +6,9 @@ import uuid
 
 import pytest
 
+from shardfmt.commit.marker import MarkerCommit
+from shardfmt.commit.protocol import commit_strategy
+from shardfmt.io.fsspec import FsspecStorage
 from shardfmt.io.registry import get_storage
 from tests.io.contract import ByteStoreContract, CommitContract
 
@@ -24,3 +27,10 @@ class TestMemoryByteStore(ByteStoreContract):
 
 class TestMemoryCommit(CommitContract):
     pass
+
+
+def test_the_contracts_run_on_fsspec_memory_with_the_marker_strategy(store):
+    """The classes above test what this file claims: memory:// is an fsspec store, committed by marker."""
+    st, _ = store
+    assert type(st) is FsspecStorage and st.protocol == "memory" and not st.remote
+    assert isinstance(commit_strategy(st), MarkerCommit) and commit_strategy(st).in_place

@@ -6,6 +6,9 @@ import uuid
 
 import pytest
 
+from shardfmt.commit.marker import MarkerCommit
+from shardfmt.commit.protocol import commit_strategy
+from shardfmt.io.fsspec import FsspecStorage
 from shardfmt.io.registry import get_storage
 from tests import s3_server
 from tests.io.contract import ByteStoreContract, CommitContract
@@ -34,3 +37,10 @@ class TestS3ByteStore(ByteStoreContract):
 
 class TestS3Commit(CommitContract):
     pass
+
+
+def test_the_contracts_run_on_s3_with_the_marker_strategy(store):
+    """The classes above test what this file claims: s3:// is a remote fsspec store, committed by marker."""
+    st, _ = store
+    assert type(st) is FsspecStorage and st.protocol == "s3" and st.remote
+    assert isinstance(commit_strategy(st), MarkerCommit) and commit_strategy(st).in_place
