@@ -74,11 +74,12 @@ def chunk_needed(c: Call) -> dict:
         plan = plan_load(m, targets, verify=False, max_gap=0)
         chunks: dict[str, set[int]] = {}
         for r in plan.reads:
+            grid = m.files[r.file].grid(m.chunk_size)  # v1: from byte 0; v2: cut at each shard's start
             for it in r.items:
                 if it.src_end > it.src_start:
-                    k0, k1 = it.src_start // m.chunk_size, (it.src_end - 1) // m.chunk_size
-                    chunks.setdefault(r.file, set()).update(range(k0, k1 + 1))
-        c.env.cache[key] = {"needed_chunks": sum(min((k + 1) * m.chunk_size, m.files[f].size) - k * m.chunk_size
+                    chunks.setdefault(r.file, set()).update(grid.span(it.src_start, it.src_end))
+        grids = {f: m.files[f].grid(m.chunk_size) for f in chunks}
+        c.env.cache[key] = {"needed_chunks": sum(grids[f].bounds(k)[1] - grids[f].bounds(k)[0]
                                                  for f, ks in chunks.items() for k in ks)}
     return c.env.cache[key]
 
@@ -86,8 +87,8 @@ def chunk_needed(c: Call) -> dict:
 # ----------------------------------------------------------------------------- shardfmt
 
 
-def sf_save(c: Call) -> None:
-    shardfmt.save(c.built.state, c.path, sync=c.env.fsync, timeout=SAVE_TIMEOUT)
+def sf_save(c: Call, format_version: int | None = None) -> None:
+    shardfmt.save(c.built.state, c.path, sync=c.env.fsync, timeout=SAVE_TIMEOUT, format_version=format_version)
 
 
 def sf_async(c: Call, stage: str = "call") -> dict:
@@ -302,6 +303,7 @@ def _all() -> list[Candidate]:
         Candidate(name="floor.write", kind=S, run=floor_write),
         Candidate(name="raw.write", kind=S, run=lambda c: floor_write(c, hashed=False)),
         Candidate(name="shardfmt.save", kind=S, run=sf_save, makes_dir=False),
+        Candidate(name="shardfmt.save.v1", kind=S, run=lambda c: sf_save(c, 1), makes_dir=False),
         Candidate(name="shardfmt.save@s3", kind=S, run=sf_save, makes_dir=False, storage="s3"),
         Candidate(name="shardfmt.async_save", kind=S, run=sf_async, makes_dir=False, check_with="shardfmt.load"),
         Candidate(name="shardfmt.async_save.bg", kind=S, run=lambda c: sf_async(c, "background"), makes_dir=False,
@@ -317,6 +319,7 @@ def _all() -> list[Candidate]:
         Candidate(name="raw.read", kind=L, run=lambda c: floor_read(c, hashed=False), reads="raw.write",
                   exact_check=False),
         Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save", after=chunk_needed),
+        Candidate(name="shardfmt.load.v1", kind=L, run=sf_load, reads="shardfmt.save.v1"),
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),
         Candidate(name="dcp.load", kind=L, run=dcp_load, reads="dcp.save"),
         Candidate(name="dcp.load@s3", kind=L, run=dcp_load, reads="dcp.save@s3", storage="s3"),

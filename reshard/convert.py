@@ -23,6 +23,7 @@ row-major runs, still once, except the hash chunks that straddle two windows.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from reshard._shardfmt import (
     Layout,
     Manifest,
     Mesh,
+    Placed,
     Placement,
     RankState,
     Rules,
@@ -47,6 +49,7 @@ from reshard._shardfmt import (
     Topology,
     ValueRecord,
     assign_writers,
+    auto_chunk_size,
     dtype_code,
     file_order,
     get_storage,
@@ -57,6 +60,7 @@ from reshard._shardfmt import (
     plan_layouts,
     targets_for_rank,
     validate,
+    written_by,
 )
 from reshard.overlap import refuse_overlap
 from reshard.parse import out_dtype, parse_dtype, parse_mesh, parse_size
@@ -152,6 +156,30 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
             for r in sorted(mine)]
 
 
+def plan_placed_files(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
+                      dtypes: Mapping[str, torch.dtype]) -> tuple[list[RankFile], dict[str, Placed]]:
+    """Format 2's plan: every stored record is placed on ``mesh`` by its layout (storages, which
+    views load whole, replicated), and each replica group's member ``writer mod G`` writes its
+    boxes (spec section 4.3), ``writer`` counting up over the records, largest first. Returns
+    every new rank's file and each record's ``Placed``: the root lists no box."""
+    records = {name: rec for name, rec in list(m.tensors.items()) + list(m.storages.items())
+               if rec.alias_of is None and rec.view is None}
+    lay = {name: (Layout((), ()) if name in m.storages else layouts[name]) for name in records}
+    order = sorted(records, key=lambda f: (-math.prod(records[f].shape) * dtypes[f].itemsize, f))
+    placed = {f: Placed(placement=placement_record(lay[f]), writer=k) for k, f in enumerate(order)}
+    mine: dict[int, list[ShardSpec]] = {}
+    for fqn in order:
+        rec, storage = records[fqn], fqn in m.storages
+        for rank in range(mesh.world_size):
+            for hb in written_by(rec.shape, lay[fqn], mesh.dims, writer=placed[fqn].writer, rank=rank):
+                mine.setdefault(rank, []).append(ShardSpec(
+                    fqn=fqn, dtype=dtypes[fqn], shape=tuple(hb.box.lengths), global_shape=tuple(rec.shape),
+                    offsets=tuple(hb.box.offsets), placement=None if storage else placed[fqn].placement))
+    files = [RankFile(rank=r, shards=tuple(file_order(mine[r])),
+                      storages=frozenset(s.fqn for s in mine[r] if s.fqn in m.storages)) for r in sorted(mine)]
+    return files, placed
+
+
 def pieces_of(files: Sequence[RankFile]) -> tuple[list[Piece], list[list[int]]]:
     """The streaming pieces of ``files`` (file index = position) and their units: one per
     record, in the files' common order (element size descending, then name)."""
@@ -203,7 +231,7 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
                      storage_options: dict | None = None, overwrite: bool = False, progress: bool = False,
                      deep_validate: bool = False, chunk_size: int | None = None,
                      max_open_files: int | None = None, record_placements: bool = True,
-                     desc: str = "convert") -> tuple[Manifest, StreamStats, int]:
+                     desc: str = "convert", format_version: int = 2) -> tuple[Manifest, StreamStats, int]:
     """Write ``source``'s tensors (and ``values``, ``aliases``) as a checkpoint laid out on
     ``mesh``: the engine behind convert and import-hf. Returns (manifest, stream stats, files).
 
@@ -218,7 +246,11 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     aliases = dict(aliases or {})
     dtypes = {name: out_dtype(rec.dtype, cast) for name, rec in list(m.tensors.items()) + list(m.storages.items())
               if rec.alias_of is None and rec.view is None}
-    files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
+    placed: dict[str, Placed] = {}
+    if format_version >= 2 and record_placements:
+        files, placed = plan_placed_files(m, mesh, layouts, dtypes)
+    else:
+        files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
     pieces, units = pieces_of(files)
     dst_storage, dst_path = get_storage(dst, storage_options)
     if max_open_files is None:
@@ -231,8 +263,14 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     verify_headers(source, pieces)
 
     check = _staged_check(m, cast, deep=deep_validate, extra_aliases=set(aliases), expect_values=set(values))
+    if chunk_size is None:  # v2: fitted to the new shards (the source's may be far larger or smaller)
+        chunk_size = auto_chunk_size((s.nbytes for f in files for s in f.shards), format_version=format_version) \
+            if format_version >= 2 else m.chunk_size
     writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
-                              chunk_size=chunk_size or m.chunk_size, check_staged=check)
+                              chunk_size=chunk_size, check_staged=check, format_version=format_version)
+    for fqn, p in placed.items():
+        rec = m.tensor(fqn)
+        writer.place(fqn, dtype_code(dtypes[fqn], what=fqn), tuple(rec.shape), p, storage=fqn in m.storages)
     bar = Progress(sum(f.nbytes for f in files), desc, progress)
     try:
         written, windows = _stream_groups(source, writer, files, pieces, list(zip(groups, plans)), mem, bar)
@@ -323,6 +361,7 @@ def convert(
     storage_options: dict | None = None,
     progress: bool = False,
     max_open_files: int | None = None,
+    format_version: int = 2,
 ) -> ConvertReport:
     """Rewrite the checkpoint at ``src`` for ``mesh`` (outermost dim first, e.g.
     ``"pp=1,dp=2,tp=4"``) as a new checkpoint at ``dst``; return what was done.
@@ -335,6 +374,8 @@ def convert(
     over; per-rank values only when the world size is unchanged (``per_rank="drop"`` drops
     them otherwise and reports them, ``"error"`` refuses). The result is validated (``deep``:
     every chunk re-hashed) before it is committed; ``verify`` checks every source chunk read.
+    ``format_version`` 2 (default) records every tensor by its placement on ``mesh``; 1 writes
+    a version-1 checkpoint for readers released before version 2.
     """
     if per_rank not in ("drop", "error"):
         raise ValueError(f"per_rank must be 'drop' or 'error', got {per_rank!r}")
@@ -353,7 +394,7 @@ def convert(
         source, dst, mesh=mesh, topology=Topology(world_size=mesh.world_size, mesh=mesh.dims), layouts=layouts,
         cast=cast, memory_budget=budget, metadata=jsonvalue.decode(m.metadata, where="metadata"), step=m.step,
         values=values, storage_options=storage_options, overwrite=overwrite, progress=progress,
-        deep_validate=deep_validate, max_open_files=max_open_files, desc="convert")
+        deep_validate=deep_validate, max_open_files=max_open_files, desc="convert", format_version=format_version)
     return ConvertReport(path=dst, manifest=manifest, src_world=m.topology.world_size, world=mesh.world_size,
                          files=nfiles, source_bytes=sum(f.size for f in m.files.values()),
                          bytes_read=stats.bytes_read, bytes_written=stats.bytes_written, windows=stats.windows,
@@ -376,4 +417,5 @@ def _carried_values(m: Manifest, mesh: Mesh, per_rank: str) -> tuple[dict[str, V
     return values, dropped
 
 
-__all__ = ["ConvertReport", "RankFile", "convert", "plan_convert", "stored_records", "write_checkpoint"]
+__all__ = ["ConvertReport", "RankFile", "convert", "plan_convert", "plan_placed_files", "stored_records",
+           "write_checkpoint"]

@@ -21,6 +21,7 @@ from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load
+from shardfmt.loading.resolve import resolve, with_rank_values
 from shardfmt.loading.targets import allocate_view_buffers, copy_views, plan_reads
 from shardfmt.saving.coordinator import coordinator_for
 from shardfmt.saving.describe import prepare
@@ -39,6 +40,8 @@ class LoadReport:
     read_requests: int
     bytes_needed: int
     stats: Mapping[str, int] = field(default_factory=dict)
+    metadata_bytes_read: int = 0  # headers (v2: and the rank table and rank indexes) read to find the data
+    metadata_reads: int = 0
 
 
 # ----------------------------------------------------------------------------- save
@@ -60,6 +63,7 @@ def save(
     check_replicas: bool | None = None,
     write_workers: int | None = None,
     part_size: int | None = None,
+    format_version: int | None = None,
     options: SaveOptions | None = None,
 ) -> Manifest:
     """Save ``state_dict`` as a committed checkpoint at ``path`` (a directory or fsspec URL).
@@ -78,12 +82,17 @@ def save(
     rank's copy with a warning on rank 0 (wrap per-rank state in ``PerRank``);
     ``check_replicas`` makes that an error, and verifies that replicated tensors agree too.
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
-    hash ``part_size`` parts of a file in parallel. Each knob left None takes its value from
-    ``options`` (a ``SaveOptions``, which owns the defaults).
+    hash ``part_size`` parts of a file in parallel. ``format_version=1`` writes what readers
+    released before format 2 read (default 2: spec/FORMAT.md). Each knob left None takes its
+    value from ``options`` (a ``SaveOptions``, which owns the defaults).
+
+    Returns the committed manifest: in format 2 its root, which lists no file and no shard
+    (``read_manifest`` reads a checkpoint's whole manifest).
     """
     opts = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options, chunk_size=chunk_size,
                               sync=sync, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
-                              write_workers=write_workers, part_size=part_size)
+                              write_workers=write_workers, part_size=part_size,
+                              format_version=format_version)
     coord = coordinator_for(process_group, opts.timeout)
     return run_save(prepare(state_dict, coord.rank), path, coord=coord, options=opts, step=step, metadata=metadata)
 
@@ -129,16 +138,19 @@ def load(
     """
     opts = LoadOptions.merged(options, strict=strict, verify=verify, cast=cast, per_rank=per_rank,
                               max_gap=max_gap, max_read=max_read, workers=workers)
-    ckpt = open_checkpoint(path, storage_options=storage_options)
+    ckpt = open_checkpoint(path, storage_options=storage_options, whole=False)
     m, storage = ckpt.manifest, ckpt.storage
     rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)
+    opened = storage.stats.snapshot()
+    m = with_rank_values(storage, ckpt.path, m, rank)
     request = request_load(state_dict, m, opts, rank=rank, world_size=world_size, source=ckpt.path)
     opts = opts.for_storage(storage)
+    m = resolve(storage, ckpt.path, m, [t.src for t in request.targets], verify=opts.verify)  # v2: what it reads
     plan = plan_reads(m, request.targets, opts, remote=storage.remote)
     targets = allocate_view_buffers(storage, ckpt.path, m, plan, request.targets)
-    before = storage.stats.snapshot()
-    if opts.verify:
+    if opts.verify and m.format_version == 1:  # v2: resolve checked the headers it read
         check_headers(storage, ckpt.path, m, plan.shards)
+    before = storage.stats.snapshot()
     try:
         Executor(storage, ckpt.path, targets, opts).run(plan)
     except ShardfmtError as e:
@@ -156,4 +168,6 @@ def load(
         bytes_read=after["bytes_read"] - before["bytes_read"],
         read_requests=after["read_requests"] - before["read_requests"],
         bytes_needed=plan.needed_bytes, stats=after,
+        metadata_bytes_read=before["bytes_read"] - opened["bytes_read"],
+        metadata_reads=before["read_requests"] - opened["read_requests"],
     )

@@ -15,6 +15,7 @@ import sys
 from collections import Counter
 
 import orjson
+from tqdm import tqdm
 
 from shardfmt.demo.run import prepare_dir, run_demo
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
@@ -83,7 +84,16 @@ def _usage(msg: str) -> int:
 
 
 def cmd_validate(args) -> int:
-    report = validate(args.path, deep=args.deep, storage_options=_storage_options(args))
+    bar = None
+    if args.deep and not args.json:  # a deep check reads every byte: show how far it is
+        bar = tqdm(desc="validate", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True,
+                   leave=False)
+    try:
+        report = validate(args.path, deep=args.deep, storage_options=_storage_options(args),
+                          progress=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
     if args.json:
         _print_json(report.to_json())
     elif report.ok:

@@ -18,8 +18,8 @@ class ManifestError(ShardfmtError):
 class FormatVersionError(ManifestError):
     """The checkpoint was written in a format version this reader does not support.
 
-    ``version`` is the checkpoint's ``format_version`` when the error is about one (None when
-    a migration of this reader's own is at fault)."""
+    ``version`` is the checkpoint's ``format_version`` when the error is about one (a required
+    extension this reader does not know is reported with its checkpoint's version)."""
 
     def __init__(self, message: str, *, version: int | None = None) -> None:
         super().__init__(message)

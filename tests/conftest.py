@@ -82,9 +82,9 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def as_next_format_version(path: str, where: str) -> None:
-    """Make the committed checkpoint at ``path`` look as format version 2 might: its manifest
-    says 2 (COMMITTED re-signed; the body still a valid version 1 one), or (``where`` =
-    "COMMITTED") its COMMITTED carries ``format_version`` 2 and a field version 1 does not know."""
+    """Make the committed checkpoint at ``path`` look as format version 3 might: its manifest
+    says 3 (COMMITTED re-signed; the body still a valid version 2 one), or (``where`` =
+    "COMMITTED") its COMMITTED carries ``format_version`` 3 and a field version 2 does not know."""
     import orjson
 
     from shardfmt.format import hashing
@@ -94,12 +94,12 @@ def as_next_format_version(path: str, where: str) -> None:
     obj = orjson.loads(raw)
     commit = {"format": "shardfmt", "save_id": obj["save_id"]}
     if where == "manifest":
-        obj["format_version"] = 2
+        obj["format_version"] = 3
         raw = orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) + b"\n"
         with open(os.path.join(path, "manifest.json"), "wb") as f:
             f.write(raw)
     else:
-        commit.update(format_version=2, manifest_index={"shards": 1})
+        commit.update(format_version=3, manifest_index={"shards": 1})
     commit["manifest_digest"] = hashing.digest_bytes(raw)
     with open(os.path.join(path, "COMMITTED"), "wb") as f:
         f.write(orjson.dumps(commit, option=orjson.OPT_SORT_KEYS) + b"\n")

@@ -16,7 +16,7 @@ from shardfmt.format.manifest import CommitRecord
 @pytest.fixture
 def saved(tmp_path):
     path = str(tmp_path / "ck")
-    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096)
+    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096, format_version=1)
     full = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
     w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[:32], global_shape=(64, 64), offsets=(0, 0))])
     w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="w", data=full[32:], global_shape=(64, 64), offsets=(32, 0))])
@@ -97,7 +97,7 @@ def test_shard_borrowing_another_records_key_is_refused(tmp_path, wanted):
     """A key is unique within its file: a record reusing one (and its bytes) is refused whatever
     the load asks for, before any data is read."""
     path = str(tmp_path / "ck")
-    shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path)
+    shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path, format_version=1)
     recommit(path, lambda o: o["tensors"]["a"].__setitem__("shards", o["tensors"]["b"]["shards"]))
     out = {k: torch.full((8,), 7.0) for k in wanted}
     with pytest.raises(shardfmt.errors.ManifestError, match="key 'b' of data/rank_00000.safetensors is used by"):
@@ -108,7 +108,7 @@ def test_shard_borrowing_another_records_key_is_refused(tmp_path, wanted):
 
 def test_shards_of_one_tensor_swapping_keys_are_refused(tmp_path):
     path = str(tmp_path / "ck2")
-    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096)
+    w = shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096, format_version=1)
     w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=torch.arange(4.0), global_shape=(8,), offsets=(0,)),
                      shardfmt.saving.writer.ShardData(fqn="w", data=torch.arange(4.0, 8.0), global_shape=(8,), offsets=(4,))])
     w.commit()
@@ -124,7 +124,7 @@ def test_shards_of_one_tensor_swapping_keys_are_refused(tmp_path):
 def test_shard_pointing_at_another_tensors_bytes_is_refused(tmp_path):
     """Its own key, another record's byte range: the file's header says the bytes are not its own."""
     path = str(tmp_path / "ck")
-    shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path)
+    shardfmt.save({"a": torch.zeros(8), "b": torch.ones(8)}, path, format_version=1)
     recommit(path, lambda o: o["tensors"]["a"]["shards"][0].__setitem__(
         "byte_range", o["tensors"]["b"]["shards"][0]["byte_range"]))
     with pytest.raises(shardfmt.errors.ShardfmtError, match="'a'|overlaps"):
@@ -226,26 +226,26 @@ def test_missing_committed(saved):
 
 def test_newer_format_version_names_both(saved):
     path, _ = saved
-    recommit(path, lambda o: o.__setitem__("format_version", 2))
-    with pytest.raises(shardfmt.errors.FormatVersionError, match=r"version 2.*up to 1"):
+    recommit(path, lambda o: o.__setitem__("format_version", 3))
+    with pytest.raises(shardfmt.errors.FormatVersionError, match=r"version 3.*up to 2"):
         load_w(path)
-    assert any("version 2" in p.message for p in shardfmt.validate(path).problems)
+    assert any("version 3" in p.message for p in shardfmt.validate(path).problems)
 
 
-def test_older_version_goes_through_migration(saved, monkeypatch):
-    path, full = saved
-    import shardfmt.format.parse as mf
-
+def test_a_version_never_written_is_refused_not_migrated(saved):
+    """One reader per version (spec section 9): there is no version 0 and no migration to find."""
+    path, _ = saved
     recommit(path, lambda o: (o.__setitem__("format_version", 0), o.__setitem__("legacy_field", 1)))
-    with pytest.raises(shardfmt.errors.FormatVersionError, match="no migration"):
+    with pytest.raises(shardfmt.errors.FormatVersionError, match="never written"):
         load_w(path)
 
-    def v0_to_v1(obj):
-        obj.pop("legacy_field")
-        obj["format_version"] = 1
-        return obj
-    monkeypatch.setitem(mf._MIGRATIONS, 0, v0_to_v1)
-    assert torch.equal(load_w(path), full)
+
+def test_a_v1_manifest_marked_v2_is_malformed_not_newer(saved):
+    """A v1-shaped manifest claiming version 2 is checked by the v2 reader, which names what is missing."""
+    path, _ = saved
+    recommit(path, lambda o: o.__setitem__("format_version", 2))
+    with pytest.raises(shardfmt.errors.ManifestError, match="missing field"):
+        load_w(path)
 
 
 def test_unknown_dtype_in_manifest(saved):
@@ -290,7 +290,7 @@ def test_a_directory_where_the_checkpoint_has_a_file_is_an_invalid_checkpoint(sa
 def test_a_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path):
     bad = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"ck\xff"))
     with pytest.raises(shardfmt.errors.StorageError, match="valid UTF-8"):
-        shardfmt.save({"w": torch.ones(3)}, bad, step=1)
+        shardfmt.save({"w": torch.ones(3)}, bad, step=1, format_version=1)
     with pytest.raises(shardfmt.errors.StorageError, match="valid UTF-8"):
         shardfmt.async_save({"w": torch.ones(3)}, bad, step=1, stager=shardfmt.Stager()).wait()
     assert os.listdir(tmp_path) == []
@@ -304,7 +304,7 @@ def test_a_bad_step_fails_before_any_data_is_written(tmp_path, monkeypatch, step
     monkeypatch.setattr("shardfmt.saving.protocol.CheckpointWriter", no_writer)
     path = str(tmp_path / "ck")
     with pytest.raises(shardfmt.errors.StateDictError, match="step must be"):
-        shardfmt.save({"w": torch.ones(3)}, path, step=step)
+        shardfmt.save({"w": torch.ones(3)}, path, step=step, format_version=1)
     with pytest.raises(shardfmt.errors.StateDictError, match="step must be"):
         shardfmt.async_save({"w": torch.ones(3)}, path, step=step, stager=shardfmt.Stager())
     assert os.listdir(tmp_path) == []

@@ -105,8 +105,8 @@ def test_two_column_targets_of_one_tensor_read_each_chunk_once(tmp_path):
     (shard,) = m.tensors["w"].shards
     for bounce_read in (CHUNK, 8 * CHUNK):
         plan = plan_load(m, halves, bounce=frozenset({0, 1}), max_bounce_read=bounce_read)
-        lo, hi = shard.byte_range
-        assert plan.bytes_to_read == min(-(-hi // CHUNK) * CHUNK, m.files[shard.file].size) - lo // CHUNK * CHUNK
+        a, b = m.files[shard.file].grid(m.chunk_size).widen(*shard.byte_range)
+        assert plan.bytes_to_read == b - a  # every chunk of the shard, once
         spans = sorted((r.byte_range.start, r.byte_range.end) for r in plan.reads)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
@@ -120,10 +120,10 @@ def _one_file(path):
 @pytest.mark.parametrize("bounced", ["column slice", "cast"])
 def test_in_place_and_bounced_targets_sharing_a_chunk_read_it_once(tmp_path, bounced):
     """A bias loaded in place and a weight loaded through a bounce buffer (a column slice, or a
-    cast) share the file's one hash chunk: it is read once, the bias copied out of that read."""
+    cast), each one hash chunk: every byte is read once, the bias copied out of the bounced read."""
     path = str(tmp_path / "ck")
     w, b = torch.randn(256, 256), torch.randn(256)
-    shardfmt.save({"w": w, "b": b}, path)
+    shardfmt.save({"w": w, "b": b}, path, chunk_size=CHUNK)
     f = _one_file(path)
     bias = torch.empty(256)
     if bounced == "cast":
@@ -135,8 +135,8 @@ def test_in_place_and_bounced_targets_sharing_a_chunk_read_it_once(tmp_path, bou
         rep = shardfmt.load({"w": ShardedTensor(local, (256, 256), (0, 128)), "b": bias}, path)
         assert torch.equal(local, w[:, 128:])
     assert torch.equal(bias, b)
-    assert rep.bytes_read <= f.size + f.header_size, f"{rep.bytes_read} bytes read from a {f.size}-byte file"
-    assert rep.read_requests == 2  # the header check, then the file's one chunk
+    assert rep.bytes_read <= f.size - f.header_size, f"{rep.bytes_read} bytes read from a {f.size}-byte file"
+    assert rep.read_requests == 2 and rep.metadata_reads == 3  # each shard's chunk once; the rank table, index, header
 
 
 def _tp_checkpoint(path):
@@ -175,8 +175,8 @@ def test_two_rank_tensor_parallel_load_reads_the_checkpoint_once_per_rank(tmp_pa
 
 
 def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
-    """``reshard plan`` for rank 1 of tp=2: a column slice (RowwiseParallel weight) next to its
-    replicated bias in one hash chunk is one read, each source byte in it listed once."""
+    """``reshard plan`` for rank 1 of tp=2: a column slice (RowwiseParallel weight) and its
+    replicated bias, each in its own hash chunks, are read once, each source byte listed once."""
     import orjson
 
     from reshard.cli import main
@@ -196,7 +196,9 @@ def test_reshard_plan_lists_each_byte_range_once(tmp_path, capsys):
     assert main(["plan", path, "--mesh", "tp=2", "--rank", "1", "--json"]) == 0
     out = orjson.loads(capsys.readouterr().out)
     reads = sorted(tuple(r["byte_range"]) for r in out["reads"])
-    assert reads == [(0, f.size)], reads  # the file's one chunk, once
-    assert out["bytes_to_read"] == f.size
+    # every chunk of the file once: its data, each shard's chunks (v2: the header has none)
+    assert reads[0][0] == f.header_size and reads[-1][1] == f.size, reads
+    assert all(a[1] == b[0] for a, b in zip(reads, reads[1:])), reads
+    assert out["bytes_to_read"] == f.size - f.header_size
     copied = sorted(tuple(c["src_bytes"]) for r in out["reads"] for c in r["copies"])
     assert all(a[1] <= b[0] for a, b in zip(copied, copied[1:])), copied  # no source byte copied twice

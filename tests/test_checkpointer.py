@@ -673,8 +673,8 @@ def test_a_newer_format_version_stops_restore_and_is_never_quarantined(tmp_path,
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing "unusable, quarantined"
         with pytest.raises(shardfmt.errors.FormatVersionError,
-                           match=rf"{re.escape(newest)} \(step 300\): format version 2; this reader supports up "
-                                 r"to 1\..*upgrade shardfmt.*or move it out of"):
+                           match=rf"{re.escape(newest)} \(step 300\): format version 3; this reader supports up "
+                                 r"to 2\..*upgrade shardfmt.*or move it out of"):
             Checkpointer(root).restore({"model": torch.nn.Linear(2, 2)})
     assert sorted(os.listdir(root)) == before
     assert [(i.step, i.status) for i in ck.list()] == [(100, "committed"), (200, "committed"), (300, "unsupported")]

@@ -247,7 +247,7 @@ def test_a_checkpoint_of_a_newer_format_version_is_unreadable_here_never_invalid
     """Spec 9: a version error naming both versions, from every entry point, before any check
     that would call the checkpoint invalid; validate exits 2 (not judged), never 1."""
     as_next_format_version(tiny, where)
-    want = "written in format version 2, this reader supports up to 1; upgrade shardfmt to read it"
+    want = "written in format version 3, this reader supports up to 2; upgrade shardfmt to read it"
     with pytest.raises(shardfmt.errors.FormatVersionError, match=want):
         shardfmt.load({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, tiny)
     report = validate(tiny)
@@ -264,7 +264,7 @@ def test_a_checkpoint_of_a_newer_format_version_is_unreadable_here_never_invalid
         err = capsys.readouterr().err
         assert "FormatVersionError" in err and want in err and err.count("\n") == 1, (argv, err)
     assert shardfmt_main(["ls", os.path.dirname(tiny)]) == 0
-    assert "unsupported  (format version 2; this reader supports up to 1)" in capsys.readouterr().out
+    assert "unsupported  (format version 3; this reader supports up to 2)" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- pipes and Ctrl-C

@@ -121,7 +121,8 @@ def _own_files_only(path: str, mesh: Mesh) -> None:
 def test_convert_8_ranks_to_3_uneven_and_to_1_loads_bit_for_bit(src8, tmp_path, mesh):
     dst = str(tmp_path / "dst")
     rep = convert(src8, dst, mesh, memory_budget="4MiB")
-    m = rep.manifest
+    m = shardfmt.read_manifest(dst)  # whole: the files and shards of every rank
+    assert m.save_id == rep.manifest.save_id
     world = Mesh.parse(mesh).world_size
     assert m.topology.world_size == world and m.topology.mesh == Mesh.parse(mesh).dims
     assert sorted(m.files) == [f"data/rank_{r:05d}.safetensors" for r in range(world)]
@@ -190,7 +191,7 @@ def test_round_trip_8_to_3_to_8_is_exact(src8, tmp_path):
 def test_same_world_size_keeps_per_rank_values_and_dtype_cast(src8, tmp_path):
     dst = str(tmp_path / "bf16")
     rep = convert(src8, dst, "tp=8", dtype="bf16", memory_budget="1MiB")
-    m = rep.manifest
+    m = shardfmt.read_manifest(dst)  # whole: every rank's per-rank values
     assert rep.dropped_values == () and m.values["rng"].per_rank[5] == {"seed": 1005}
     assert m.tensors["model.layers.0.attn.wq.weight"].dtype == "BF16"
     assert m.tensors["model.head_tied.weight"].dtype == "BF16" and m.storages[".storage.extra.q"].dtype == "BF16"
@@ -208,7 +209,8 @@ def test_rules_override_placements(src8, tmp_path):
     ]}, source="rules.json")
     dst = str(tmp_path / "ruled")
     rep = convert(src8, dst, "pp=2,tp=2", rules=rules, memory_budget="2MiB")
-    m = rep.manifest
+    m = shardfmt.read_manifest(dst)
+    assert m.save_id == rep.manifest.save_id
     wq = m.tensors["model.layers.1.attn.wq.weight"]
     assert sorted(s.lengths for s in wq.shards) == [(32, 16), (32, 16)]
     assert wq.placement.placements == (("shard", 1),) and wq.placement.stage == 0

@@ -29,7 +29,7 @@ def write_golden(path: str) -> None:
         clock=lambda: dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc),
         writer_versions={"python": "3.x", "shardfmt": "golden", "torch": "2.x"},
     )
-    writer = CheckpointWriter(path, options=SaveOptions(chunk_size=4096, _seams=seams))
+    writer = CheckpointWriter(path, options=SaveOptions(chunk_size=4096, format_version=1, _seams=seams))
     writer.write_rank(0, [
         ShardData(fqn="model.w", data=w[:3], global_shape=(6, 4), offsets=(0, 0)),
         ShardData(fqn="model.norm", data=norm, global_shape=(5,), offsets=(0,)),

@@ -198,7 +198,8 @@ def test_import_hf_sharded_on_a_mesh_with_rules(tmp_path):
     ]}))
     ck = str(tmp_path / "ck")
     rep = import_hf(out, ck, mesh="pp=2,tp=2", rules=str(rules), memory_budget="1MiB")
-    m = rep.manifest
+    m = shardfmt.read_manifest(ck)  # whole: files and shards
+    assert m.save_id == rep.manifest.save_id
     assert m.topology.world_size == 4 and sorted(m.files) == [f"data/rank_{r:05d}.safetensors" for r in range(4)]
     q = m.tensors["model.layers.1.self_attn.q_proj.weight"]
     assert q.placement.placements == (("shard", 0),) and q.placement.stage == 1

@@ -28,7 +28,7 @@ def _bad_ndarray(dtype: str = "(-1,)i4", shape=(1,)) -> dict:
 @pytest.fixture
 def small(tmp_path):
     path = str(tmp_path / "ck")
-    shardfmt.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": {"lr": 0.5}}, path, step=3)
+    shardfmt.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": {"lr": 0.5}}, path, step=3, format_version=1)
     return path
 
 
@@ -74,7 +74,7 @@ def test_restore_falls_back_past_a_checkpoint_whose_metadata_numpy_refuses(tmp_p
 def views(tmp_path):
     path = str(tmp_path / "views")
     base = torch.arange(20, dtype=torch.float32)
-    shardfmt.save({"a": base[0:8].view(2, 4), "b": base[4:20].view(4, 4)}, path)
+    shardfmt.save({"a": base[0:8].view(2, 4), "b": base[4:20].view(4, 4)}, path, format_version=1)
     return path, base
 
 
@@ -127,7 +127,7 @@ def test_a_tensor_in_20000_shards_saves_validates_and_loads_in_bounded_time(tmp_
     full = torch.arange(n, dtype=torch.float32)
     path = str(tmp_path / "many")
     t = time.perf_counter()
-    with shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096) as w:
+    with shardfmt.saving.writer.CheckpointWriter(path, chunk_size=4096, format_version=1) as w:
         w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[i:i + 1], global_shape=(n,), offsets=(i,))
                          for i in range(n)])
         w.commit(step=1)
@@ -247,7 +247,7 @@ def test_opening_any_manifest_takes_at_most_10_bytes_per_byte_plus_64_mib(tmp_pa
     up to 800 MiB), and a manifest of 300,000 minimal shard records: the peak RSS of opening each
     stays within the bound the spec states, and the dense ones are refused by name."""
     base = str(tmp_path / "base")
-    shardfmt.save({"w": torch.zeros(3, 4), "v": 1}, base)
+    shardfmt.save({"w": torch.zeros(3, 4), "v": 1}, base, format_version=1)
     paths = []
     for name, make in JUNK.items():
         for where in ("metadata", "value"):
@@ -317,7 +317,7 @@ def test_a_manifest_parsed_in_pieces_is_the_manifest_parsed_whole(tmp_path, monk
     state = {"a": base[0:8].view(2, 4), "b": base[4:20].view(4, 4), "w": w, "tied": w,
              "opt": {"lr": 0.5, "betas": (0.9, 0.999), "names": ["x\\", '"y"', "é"], "n": None},
              "rank": shardfmt.PerRank({"seed": 3})}
-    shardfmt.save(state, path, step=9, metadata={"cfg": {"nested": [[1, {"k": [2.5, "s"]}]]}, "big": 2 ** 70})
+    shardfmt.save(state, path, step=9, metadata={"cfg": {"nested": [[1, {"k": [2.5, "s"]}]]}, "big": 2 ** 70}, format_version=1)
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         raw = f.read()
     whole = parse_manifest(raw)
@@ -386,7 +386,7 @@ def test_a_dense_safetensors_header_is_read_within_a_bounded_memory(tmp_path):
     from reseal import reseal
 
     path = str(tmp_path / "ck")
-    shardfmt.save({"w": torch.arange(12, dtype=torch.float32)}, path)
+    shardfmt.save({"w": torch.arange(12, dtype=torch.float32)}, path, format_version=1)
     name = os.path.join(path, "data", "rank_00000.safetensors")
     with open(name, "rb") as f:
         data = f.read()
@@ -479,7 +479,7 @@ def test_views_of_one_storage_share_one_buffer(tmp_path):
     n = 4 << 20
     path = str(tmp_path / "views")
     base = torch.arange(n, dtype=torch.float32)
-    shardfmt.save({"a": base[0:8].view(2, 4), "b": base[4:n].view(-1)}, path)
+    shardfmt.save({"a": base[0:8].view(2, 4), "b": base[4:n].view(-1)}, path, format_version=1)
 
     def mutate(o):
         for i in range(8):

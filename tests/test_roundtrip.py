@@ -74,7 +74,8 @@ def test_sharded_sources_written_by_one_process_load_whole(ckpt_dir):
     w = shardfmt.saving.writer.CheckpointWriter(ckpt_dir)
     w.write_rank(0, [shardfmt.saving.writer.ShardData(fqn="w", data=full[:4], global_shape=(10, 6), offsets=(0, 0))])
     w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="w", data=full[4:], global_shape=(10, 6), offsets=(4, 0))])
-    m = w.commit()
+    w.commit()
+    m = shardfmt.read_manifest(ckpt_dir)  # whole: files and shards
     assert len(m.files) == 2 and len(m.tensors["w"].shards) == 2
     out = torch.empty(10, 6)
     shardfmt.load({"w": out}, ckpt_dir)
@@ -87,7 +88,8 @@ def test_tied_weights_are_stored_once_and_come_back_shared(ckpt_dir):
     head = torch.nn.Linear(16, 50, bias=False)
     head.weight = emb.weight  # tied
     sd = {"emb.weight": emb.weight.detach(), "head.weight": head.weight.detach()}
-    m = shardfmt.save(sd, ckpt_dir)
+    shardfmt.save(sd, ckpt_dir)
+    m = shardfmt.read_manifest(ckpt_dir)
     assert m.tensors["head.weight"].alias_of == "emb.weight"
     size = sum(f.size for f in m.files.values())
     assert size < 50 * 16 * 4 * 2, "tied weight written twice"
@@ -106,7 +108,8 @@ def test_tied_weights_are_stored_once_and_come_back_shared(ckpt_dir):
 def test_views_of_one_buffer_are_stored_once(ckpt_dir):
     buf = torch.randn(1000)
     sd = {"a": buf[0:600], "b": buf[400:1000].view(20, 30), "c": buf[::10]}
-    m = shardfmt.save(sd, ckpt_dir)
+    shardfmt.save(sd, ckpt_dir)
+    m = shardfmt.read_manifest(ckpt_dir)
     assert all(m.tensors[k].view is not None for k in sd)
     data_bytes = sum(f.size for f in m.files.values())
     assert data_bytes < 1000 * 4 + 1024, "overlapping views written more than once"
@@ -175,7 +178,8 @@ def test_unstorable_value_is_refused_naming_the_key(ckpt_dir):
 
 def test_lists_of_tensors_flatten_by_index(ckpt_dir):
     sd = {"layers": [torch.ones(2), {"w": torch.zeros(3)}, 5]}
-    m = shardfmt.save(sd, ckpt_dir)
+    shardfmt.save(sd, ckpt_dir)
+    m = shardfmt.read_manifest(ckpt_dir)
     assert set(m.tensors) == {"layers.0", "layers.1.w"} and "layers.2" in m.values
     out = {"layers": [torch.empty(2), {"w": torch.empty(3)}, None]}
     shardfmt.load(out, ckpt_dir)
@@ -212,7 +216,8 @@ def test_every_shard_file_opens_with_safetensors(ckpt_dir):
                  + [shardfmt.saving.writer.ShardData(fqn="big", data=big[:3], global_shape=(9, 4), offsets=(0, 0)),
                     shardfmt.saving.writer.ShardData(fqn="big", data=big[6:], global_shape=(9, 4), offsets=(6, 0))])
     w.write_rank(1, [shardfmt.saving.writer.ShardData(fqn="big", data=big[3:6], global_shape=(9, 4), offsets=(3, 0))])
-    m = w.commit()
+    w.commit()
+    m = shardfmt.read_manifest(ckpt_dir)
     seen = {}
     for fname in m.files:
         with safe_open(f"{ckpt_dir}/{fname}", framework="pt") as f:

@@ -15,13 +15,14 @@ import sys
 from importlib import resources
 
 SPEC = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "spec"))
-DOCS = ("FORMAT.md", "ROOTS.md")
+DOCS = ("FORMAT.md", "FORMAT-v1.md", "ROOTS.md")
 KEYWORDS = ("MUST NOT", "MUST", "SHOULD NOT", "SHOULD", "MAY", "REQUIRED")
 
 # Sentences holding each key word, per document. A spec change that adds, removes or moves a
 # normative sentence updates these with its CHANGELOG entry.
 PINNED = {
-    "FORMAT.md": {"MUST NOT": 18, "MUST": 54, "SHOULD NOT": 1, "SHOULD": 6, "MAY": 8, "REQUIRED": 2},
+    "FORMAT.md": {"MUST NOT": 19, "MUST": 54, "SHOULD NOT": 1, "SHOULD": 6, "MAY": 8, "REQUIRED": 2},
+    "FORMAT-v1.md": {"MUST NOT": 18, "MUST": 54, "SHOULD NOT": 1, "SHOULD": 6, "MAY": 8, "REQUIRED": 2},
     "ROOTS.md": {"MUST NOT": 6, "MUST": 5, "SHOULD NOT": 0, "SHOULD": 0, "MAY": 3, "REQUIRED": 0},
 }
 
@@ -89,9 +90,9 @@ def headings(text: str) -> set[str]:
     return set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.?\s", text, flags=re.M))
 
 
-def reject_items() -> list[int]:
-    """The numbers of FORMAT.md section 11's list, in order."""
-    text = read("FORMAT.md")
+def reject_items(doc: str = "FORMAT.md") -> list[int]:
+    """The numbers of ``doc``'s section 11 list, in order."""
+    text = read(doc)
     body = text[text.index("\n## 11. "):text.index("\n## 12. ")]
     return [int(n) for n in re.findall(r"^(\d+)\. ", body, flags=re.M)]
 

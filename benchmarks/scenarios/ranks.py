@@ -2,8 +2,8 @@
 
 from benchmarks.harness.model import Phase, Ref, Scenario, StateSpec, ratio, throughput
 
-METHODS = ("floor.write", "shardfmt.save", "dcp.save")
-LOADS = ("floor.read", "shardfmt.load", "dcp.load")
+METHODS = ("floor.write", "shardfmt.save", "shardfmt.save.v1", "dcp.save")
+LOADS = ("floor.read", "shardfmt.load", "shardfmt.load.v1", "dcp.load")
 
 
 def vs_dcp(ranks: int) -> Scenario:

@@ -9,9 +9,9 @@ SCENARIOS = (Scenario(
     ranks=1,
     phases=(
         Phase(name="save", kind="save",
-              candidates=("floor.write", "raw.write", "shardfmt.save", "torch.save", "safetensors.save")),
+              candidates=("floor.write", "raw.write", "shardfmt.save", "shardfmt.save.v1", "torch.save", "safetensors.save")),
         Phase(name="load", kind="load",
-              candidates=("floor.read", "raw.read", "shardfmt.load", "torch.load", "safetensors.load")),
+              candidates=("floor.read", "raw.read", "shardfmt.load", "shardfmt.load.v1", "torch.load", "safetensors.load")),
         Phase(name="warm", kind="load", cache="warm", candidates=("floor.read", "shardfmt.load")),
     ),
     targets=(

@@ -8,8 +8,8 @@ SCENARIOS = (Scenario(
     state=StateSpec(builder="small", size_mib=50, quick_mib=2),  # thousands of tensors,
     ranks=2,
     phases=(
-        Phase(name="save", kind="save", candidates=("shardfmt.save", "dcp.save")),
-        Phase(name="load", kind="load", candidates=("shardfmt.load", "dcp.load")),
+        Phase(name="save", kind="save", candidates=("shardfmt.save", "shardfmt.save.v1", "dcp.save")),
+        Phase(name="load", kind="load", candidates=("shardfmt.load", "shardfmt.load.v1", "dcp.load")),
     ),
     targets=tuple(ratio(f"{p}: shardfmt faster than DCP", Ref(phase=p, candidate=f"shardfmt.{p}"), "<=", 1.0,
                         Ref(phase=p, candidate=f"dcp.{p}")) for p in ("save", "load")),

@@ -21,14 +21,21 @@ else there is not ours to remove.
 
 from __future__ import annotations
 
-import posixpath
 import time
+from collections.abc import Iterable
 
 import orjson
 
 from shardfmt.commit.lease import holder_is_dead, lease_owner, lease_record
 from shardfmt.commit.names import parse_step_dir
-from shardfmt.commit.strategy import SAVE_NAMES, LeftoverState, StepHook, is_data_file, require_utf8
+from shardfmt.commit.strategy import (
+    SAVE_NAMES,
+    LeftoverState,
+    StepHook,
+    is_data_file,
+    is_save_file,
+    require_utf8,
+)
 from shardfmt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -40,6 +47,7 @@ from shardfmt.format import hashing
 from shardfmt.format.manifest import (
     COMMITTED_NAME,
     DATA_DIR,
+    INDEX_DIR,
     LEASE_NAME,
     MANIFEST_NAME,
     MAX_COMMITTED_BYTES,
@@ -117,7 +125,7 @@ class MarkerCommit:
 
     # -- 3) publish
     def publish(self, path: str, staging: str, manifest: Manifest, *, overwrite: bool = False,
-                on_step: StepHook | None = None) -> CommitRecord:
+                on_step: StepHook | None = None, required: Iterable[str] | None = None) -> CommitRecord:
         """Write the manifest and then COMMITTED under ``staging`` (= ``path``), each only if absent.
 
         A save that outlived its lease never replaces a racing save's manifest or marker, and
@@ -127,7 +135,8 @@ class MarkerCommit:
             raise CheckpointExistsError(f"{st.url(path)}: another save committed here first")
         step("files_written")
         manifest_bytes = manifest.to_json()
-        record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
+        record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes),
+                              format_version=manifest.format_version)
         mpath = st.join(staging, MANIFEST_NAME)
         try:
             st.write_bytes(mpath, manifest_bytes, exclusive=True)
@@ -137,7 +146,7 @@ class MarkerCommit:
                 raise CheckpointExistsError(f"{st.url(path)}: another save wrote its manifest here (this save "
                                             "outlived its lease?); nothing of it was replaced") from None
         step("manifest_written")
-        self._require_files(path, staging, manifest)
+        self._require_files(path, staging, manifest.files if required is None else required)
         marker = st.join(staging, COMMITTED_NAME)
         try:
             st.write_bytes(marker, record.to_json(), exclusive=True)
@@ -157,16 +166,20 @@ class MarkerCommit:
         marker = self.store.join(staging, COMMITTED_NAME)
         return parse_commit(self.store.read_bytes(marker, limit=MAX_COMMITTED_BYTES, within=staging), source=marker)
 
-    def _require_files(self, path: str, staging: str, manifest: Manifest) -> None:
-        """Refuse to commit when a data file was removed under us (a collector that thought this save dead)."""
+    def _require_files(self, path: str, staging: str, required: Iterable[str]) -> None:
+        """Refuse to commit when a file the save wrote was removed under us (a collector that
+        thought this save dead)."""
         st = self.store
+        required = sorted(required)
+        if not required:
+            return
         try:
-            present = set(st.listdir(st.join(staging, DATA_DIR))) if manifest.files else set()
+            present = set(st.list_tree(staging))
         except CheckpointNotFoundError:
             present = set()
-        gone = sorted(f for f in manifest.files if posixpath.basename(f) not in present)
+        gone = [f for f in required if f not in present]
         if gone:
-            raise CommitError(f"{st.url(path)}: data file(s) {gone[:3]} vanished before the commit")
+            raise CommitError(f"{st.url(path)}: file(s) {gone[:3]} vanished before the commit")
 
     def abort(self, path: str, staging: str, save_id: str) -> None:
         """Remove what the failed save ``save_id`` wrote under ``path``, and nothing else: another
@@ -178,7 +191,8 @@ class MarkerCommit:
                 return
             names = st.list_tree(path)
             tag = f".{save_id}.safetensors"
-            mine = [n for n in names if is_data_file(n) and n.endswith(tag)]
+            mine = [n for n in names if is_data_file(n) and n.endswith(tag)
+                    or n.startswith(INDEX_DIR + "/") and n.endswith(f".{save_id}.json")]  # v2 indexes
             if MANIFEST_NAME in names and self._manifest_save_id(path) == save_id:
                 mine.append(MANIFEST_NAME)
             for n in mine:
@@ -256,4 +270,4 @@ def is_save_leftover(storage: FsspecStorage, path: str, names: list[str] | None 
     only what a shardfmt save writes, LEASE included (taken before its first data byte):
     anything else is not ours to remove."""
     names = storage.list_tree(path) if names is None else names
-    return LEASE_NAME in names and all(n in SAVE_NAMES or is_data_file(n) for n in names)
+    return LEASE_NAME in names and all(n in SAVE_NAMES or is_save_file(n) for n in names)

@@ -11,6 +11,7 @@ lease fresh on a thread while it writes.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 from shardfmt.commit.marker import MarkerCommit
 from shardfmt.commit.rename import RenameCommit
@@ -42,9 +43,13 @@ def prepare(storage: ByteStore, path: str, save_id: str, *, overwrite: bool,
 
 
 def publish(storage: ByteStore, path: str, staging: str, manifest: Manifest,
-            *, overwrite: bool = False, on_step: StepHook | None = None) -> CommitRecord:
-    """Commit the files written under ``staging`` as the checkpoint at ``path``."""
-    return commit_strategy(storage).publish(path, staging, manifest, overwrite=overwrite, on_step=on_step)
+            *, overwrite: bool = False, on_step: StepHook | None = None,
+            required: Iterable[str] | None = None) -> CommitRecord:
+    """Commit the files written under ``staging`` as the checkpoint at ``path``; ``required``
+    names the files (relative to the checkpoint) that must still be there (default: the
+    manifest's data files; a v2 root lists none, so its writer names them)."""
+    return commit_strategy(storage).publish(path, staging, manifest, overwrite=overwrite, on_step=on_step,
+                                            required=required)
 
 
 def abort(storage: ByteStore, staging: str) -> None:

@@ -24,8 +24,14 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Iterable
 
-from shardfmt.commit.strategy import LeftoverState, StepHook, is_data_file, require_utf8
+from shardfmt.commit.strategy import (
+    LeftoverState,
+    StepHook,
+    is_save_file,
+    require_utf8,
+)
 from shardfmt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -34,7 +40,14 @@ from shardfmt.errors import (
     StorageError,
 )
 from shardfmt.format import hashing
-from shardfmt.format.manifest import COMMITTED_NAME, DATA_DIR, MANIFEST_NAME, CommitRecord, Manifest
+from shardfmt.format.manifest import (
+    COMMITTED_NAME,
+    DATA_DIR,
+    INDEX_DIR,
+    MANIFEST_NAME,
+    CommitRecord,
+    Manifest,
+)
 from shardfmt.io.local import LocalStorage
 
 _STAGING_RE = re.compile(r".+\.tmp-[0-9a-f]{16}")  # <name>.tmp-<save id> (spec section 2)
@@ -85,7 +98,7 @@ class RenameCommit:
 
     # -- 3) publish
     def publish(self, path: str, staging: str, manifest: Manifest, *, overwrite: bool = False,
-                on_step: StepHook | None = None) -> CommitRecord:
+                on_step: StepHook | None = None, required: Iterable[str] | None = None) -> CommitRecord:
         """Run steps 2-7 for files already written under ``staging``.
 
         Without ``overwrite``, a checkpoint that appeared at ``path`` while this save was
@@ -94,12 +107,15 @@ class RenameCommit:
         st, step = self.store, on_step or (lambda name: None)
         step("files_written")
         manifest_bytes = manifest.to_json()
-        record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes))
+        record = CommitRecord(save_id=manifest.save_id, manifest_digest=hashing.digest_bytes(manifest_bytes),
+                              format_version=manifest.format_version)
         st.write_bytes(st.join(staging, MANIFEST_NAME), manifest_bytes)
         step("manifest_written")
         st.write_bytes(st.join(staging, COMMITTED_NAME), record.to_json())
         step("committed_written")
         st.sync_dir(st.join(staging, DATA_DIR))
+        if manifest.format_version >= 2 and st.isdir(st.join(staging, INDEX_DIR)):
+            st.sync_dir(st.join(staging, INDEX_DIR))
         st.sync_dir(staging)
         step("staging_synced")
         old = self._swap_in(path, staging, manifest.save_id, overwrite=overwrite, step=step)
@@ -200,7 +216,7 @@ class RenameCommit:
         if not _STAGING_RE.fullmatch(name) or not self.store.isdir(path):
             return "keep"
         names = self.store.list_tree(path, within=root)
-        return "leftover" if all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_data_file(n) for n in names) else "keep"
+        return "leftover" if all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_save_file(n) for n in names) else "keep"
 
     def dead_uploads(self, root: str) -> list[tuple[str, str]]:
         return []  # a file is written in place: no upload outlives its writer

@@ -28,7 +28,8 @@ ours — or "leftover", judged by ``lease_time``), which uploads were never comp
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from typing import Literal, Protocol
 
 from shardfmt.errors import StorageError
@@ -71,7 +72,7 @@ class CommitStrategy(Protocol):
     def prepare(self, path: str, save_id: str, *, overwrite: bool,
                 lease_seconds: float | None = None, now: float | None = None) -> str: ...
     def publish(self, path: str, staging: str, manifest: Manifest, *, overwrite: bool = False,
-                on_step: StepHook | None = None) -> CommitRecord: ...
+                on_step: StepHook | None = None, required: Iterable[str] | None = None) -> CommitRecord: ...
     def abort(self, path: str, staging: str, save_id: str) -> None: ...
     def heartbeat(self, staging: str, owner: str) -> bool: ...
     def release(self, staging: str) -> None: ...
@@ -95,6 +96,15 @@ def require_utf8(path: str) -> None:
 
 
 SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME)
+
+
+_INDEX_RE = re.compile(r"index/(rank_[0-9]{5}|ranks_[0-9]{8})(\.[A-Za-z0-9_-]{1,128})?\.json")
+
+
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint) is a file a save writes below the checkpoint:
+    a data file, or (v2) a rank index or rank-table part."""
+    return is_data_file(name) or bool(_INDEX_RE.fullmatch(name))
 
 
 def is_data_file(name: str) -> bool:

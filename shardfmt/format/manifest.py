@@ -19,7 +19,9 @@ from shardfmt.format import hashing
 from shardfmt.format.dtypes import itemsize
 
 FORMAT_NAME = "shardfmt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version this package reads and writes (spec/FORMAT.md section 9)
+READ_VERSIONS = (1, 2)  # one reader per version: every version ever written stays readable
+INDEX_DIR = "index"  # v2: rank table parts and rank indexes (spec/FORMAT.md section 5)
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
 LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec/ROOTS.md section 1)
@@ -93,6 +95,32 @@ def view_reach(shape: Sequence[int], stride: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Placed:
+    """v2: a tensor stored by its placement over ``topology.mesh`` alone (no shard list).
+
+    Every rank's boxes follow from the placement (spec section 4.3); of each replica group
+    (the ranks holding the same boxes) member ``writer`` mod the group's size wrote them."""
+
+    placement: Placement
+    writer: int
+
+    def to_json(self) -> dict:
+        return {**self.placement.to_json(), "writer": self.writer}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListedShard:
+    """v2: one stored box of a tensor whose layout no placement describes, and the rank that wrote it."""
+
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    rank: int
+
+    def to_json(self) -> dict:
+        return {"offsets": list(self.offsets), "lengths": list(self.lengths), "rank": self.rank}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ViewRecord:
     """A tensor stored as a strided view of a storage record (views of one buffer)."""
 
@@ -106,7 +134,11 @@ class ViewRecord:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorRecord:
-    """A global tensor: dtype, shape, and either shards, an alias, or a view."""
+    """A global tensor: dtype, shape, and either shards, an alias, or a view.
+
+    In a v2 root manifest a stored tensor has ``placed`` or ``listed`` instead of ``shards``;
+    a load fills ``shards`` for the boxes it reads (``shardfmt.loading.resolve``). A placed
+    record's ``placement`` is its ``placed.placement`` (the JSON holds it once)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -114,6 +146,13 @@ class TensorRecord:
     placement: Placement | None = None
     alias_of: str | None = None
     view: ViewRecord | None = None
+    placed: Placed | None = None
+    listed: tuple[ListedShard, ...] | None = None
+
+    @property
+    def stored(self) -> bool:
+        """Whether the record holds data itself (not an alias, not a view)."""
+        return self.alias_of is None and self.view is None
 
     @property
     def itemsize(self) -> int:
@@ -135,23 +174,74 @@ class TensorRecord:
             out["placement"] = self.placement.to_json()
         return out
 
+    def to_json_v2(self) -> dict:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.alias_of is not None:
+            out["alias_of"] = self.alias_of
+        elif self.view is not None:
+            out["view"] = self.view.to_json()
+        elif self.placed is not None:
+            out["placed"] = self.placed.to_json()
+        else:
+            out["shards"] = [s.to_json() for s in self.listed or ()]
+        if self.placement is not None and self.placed is None:
+            out["placement"] = self.placement.to_json()
+        return out
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ValueRecord:
-    """A non-tensor value in typed JSON: one replicated value, or one per rank."""
+    """A non-tensor value in typed JSON: one replicated value, or one per rank.
+
+    In a v2 root manifest a per-rank value is ``indexed``: each rank's value lives in that
+    rank's index, and ``per_rank`` holds only the ranks a load has read."""
 
     value: Any = None
     per_rank: Mapping[int, Any] | None = None
+    indexed: bool = False
 
     def to_json(self) -> dict:
         if self.per_rank is not None:
             return {"per_rank": {str(r): v for r, v in sorted(self.per_rank.items())}}
         return {"value": self.value}
 
+    def to_json_v2(self) -> dict:
+        return {"per_rank": True} if self.indexed else {"value": self.value}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPart:
+    """v2: one part of the rank table: which ranks it covers, where it is, and its digest."""
+
+    first: int
+    end: int
+    name: str
+    size: int
+    digest: str
+
+    def to_json(self) -> dict:
+        return {"first": self.first, "end": self.end, "name": self.name, "size": self.size, "digest": self.digest}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Extension:
+    """v2: an addition to the format: readers that do not know ``name`` skip it unless ``required``."""
+
+    required: bool
+    value: Any = None
+
+    def to_json(self) -> dict:
+        return {"required": self.required, "value": self.value}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FileRecord:
-    """A data file: its writer rank, size, and the digests of its chunks."""
+    """A data file: its writer rank, size, and the digests of its chunks.
+
+    ``segments`` says where the chunks lie: None, chunks of ``chunk_size`` from byte 0 (v1);
+    else the byte ranges ``[start, end)`` of the file's tensor entries in file order (from its
+    safetensors header), each cut into chunks from its own start (v2: shard-aligned). It is
+    read from the header, never written into the manifest (``to_json`` leaves it out)."""
 
     rank: int
     size: int
@@ -159,6 +249,14 @@ class FileRecord:
     header_digest: str
     chunks: tuple[str, ...]
     digest: str
+    segments: tuple[tuple[int, int], ...] | None = None
+
+    def grid(self, chunk_size: int) -> hashing.ChunkGrid:
+        """Return where this file's chunks lie, for hash chunks of ``chunk_size`` bytes."""
+        if self.segments is None:
+            return hashing.ChunkGrid.regular(size=self.size, chunk_size=chunk_size)
+        return hashing.ChunkGrid.segmented(size=self.size, chunk_size=chunk_size, header_size=self.header_size,
+                                           entries=self.segments)
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "size": self.size, "header_size": self.header_size,
@@ -184,6 +282,9 @@ class Topology:
         return {"world_size": self.world_size, "mesh": [{"name": n, "size": s} for n, s in self.mesh],
                 "ranks": [list(self.coords(r)) for r in range(self.world_size)] if self.mesh else []}
 
+    def to_json_v2(self) -> dict:
+        return {"world_size": self.world_size, "mesh": [{"name": n, "size": s} for n, s in self.mesh]}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Manifest:
@@ -201,9 +302,13 @@ class Manifest:
     tensors: Mapping[str, TensorRecord] = field(default_factory=dict)
     storages: Mapping[str, TensorRecord] = field(default_factory=dict)
     values: Mapping[str, ValueRecord] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
+    ranks: tuple[RankPart, ...] = ()  # v2: the rank table's parts
+    extensions: Mapping[str, Extension] = field(default_factory=dict)  # v2
 
     def to_json_obj(self) -> dict:
+        if self.format_version >= 2:
+            return self._root_json_obj()
         return {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -219,6 +324,26 @@ class Manifest:
             "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             "storages": {k: v.to_json() for k, v in self.storages.items()},
             "values": {k: v.to_json() for k, v in self.values.items()},
+        }
+
+    def _root_json_obj(self) -> dict:
+        """The v2 root manifest: no file list, no shard list, no per-rank value (spec section 4)."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "save_id": self.save_id,
+            "step": self.step,
+            "created_at": self.created_at,
+            "writer": dict(self.writer),
+            "hash_algorithm": self.hash_algorithm,
+            "chunk_size": self.chunk_size,
+            "metadata": self.metadata,
+            "topology": self.topology.to_json_v2(),
+            "tensors": {k: v.to_json_v2() for k, v in self.tensors.items()},
+            "storages": {k: v.to_json_v2() for k, v in self.storages.items()},
+            "values": {k: v.to_json_v2() for k, v in self.values.items()},
+            "ranks": [p.to_json() for p in self.ranks],
+            "extensions": {k: v.to_json() for k, v in self.extensions.items()},
         }
 
     def to_json(self) -> bytes:
@@ -253,11 +378,12 @@ class CommitRecord:
 
     save_id: str
     manifest_digest: str
+    format_version: int = 1  # v1's marker holds no version; v2's does (spec section 4.9)
 
     def to_json(self) -> bytes:
-        return orjson.dumps(
-            {"format": FORMAT_NAME, "save_id": self.save_id, "manifest_digest": self.manifest_digest},
-            option=orjson.OPT_SORT_KEYS,
-        ) + b"\n"
+        obj: dict[str, Any] = {"format": FORMAT_NAME, "save_id": self.save_id, "manifest_digest": self.manifest_digest}
+        if self.format_version >= 2:
+            obj["format_version"] = self.format_version
+        return orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) + b"\n"
 
 

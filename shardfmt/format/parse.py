@@ -9,281 +9,154 @@ the validator.
 from __future__ import annotations
 
 import math
-import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from shardfmt.errors import FormatVersionError, ManifestError, StateDictError
-from shardfmt.format import hashing, jsonscan
+from shardfmt.errors import FormatVersionError, ManifestError
+from shardfmt.format import jsonscan
 from shardfmt.format.dtypes import SUPPORTED_DTYPES, itemsize
+from shardfmt.format.fields import (
+    RANK_KEY_RE,
+    check_keys,
+    check_links,
+    check_names,
+    check_step,
+    common_fields,
+    digest_field,
+    dims_field,
+    fail,
+    int_field,
+    list_field,
+    obj_field,
+    parse_file_name,
+    parse_mesh,
+    parse_placement,
+    record_fields,
+    step_field,
+    str_field,
+)
 from shardfmt.format.jsonscan import Budget, Lazy, check_depth, plain
 from shardfmt.format.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MAX_COMMITTED_BYTES,
-    MAX_DIM,
     MAX_MANIFEST_BYTES,
-    MAX_NDIM,
-    MAX_STEP,
+    READ_VERSIONS,
     CommitRecord,
     FileRecord,
     Manifest,
-    Placement,
     ShardRecord,
     TensorRecord,
     Topology,
     ValueRecord,
     ViewRecord,
-    view_reach,
 )
+from shardfmt.format.parse_v2 import root_fields
 
-# --------------------------------------------------------------------------- parsing
+__all__ = ["check_step", "parse_file_name", "parse_commit", "parse_manifest", "parse_file_record",
+           "parse_shard_record", "parse_tensor_record", "load_json", "manifest_from_obj", "check_version"]
 
-Migration = Callable[[dict], dict]
-_MIGRATIONS: dict[int, Migration] = {}
-
-_FILE_RE = re.compile(r"^data/[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
-_MESH_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-_RANK_KEY_RE = re.compile(r"0|[1-9][0-9]{0,7}")
-
-
-
-def register_migration(from_version: int) -> Callable[[Migration], Migration]:
-    """Register a function that upgrades a manifest object of ``from_version`` by one version."""
-
-    def deco(fn: Migration) -> Migration:
-        _MIGRATIONS[from_version] = fn
-        return fn
-
-    return deco
-
-
-def _fail(where: str, msg: str) -> ManifestError:
-    return ManifestError(f"manifest {where}: {msg}")
-
-
-def check_step(step: Any) -> None:
-    """Refuse a step the manifest cannot record (None, or an int in [0, 2^62]) before any I/O."""
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP):
-        raise StateDictError(f"step must be None or an integer in [0, 2^62], got {step!r}")
-
-
-def _int(v: Any, where: str, *, lo: int = 0, hi: int = MAX_DIM) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _fail(where, f"expected an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _str(v: Any, where: str, *, max_len: int = 4096) -> str:
-    if not isinstance(v, str) or len(v) > max_len:
-        raise _fail(where, f"expected a string of at most {max_len} characters, got {type(v).__name__}")
-    return v
-
-
-def _obj(v: Any, where: str) -> dict:
-    """A map (files, tensors, ...): parsed, or Lazy (large: walked once with ``items()``)."""
-    if not (isinstance(v, dict) or isinstance(v, Lazy) and v.kind == "object"):
-        raise _fail(where, f"expected an object, got {_type_name(v)}")
-    return v
-
-
-def _record(v: Any, where: str, required: set[str], optional: set[str] = frozenset()) -> dict:
-    """A record's fields as a dict. A Lazy (large) record is walked once: a field given twice is
-    refused (the earlier one would go unparsed) and so is an unknown one, as soon as it is met."""
-    if isinstance(v, Lazy) and v.kind == "object":
-        out: dict = {}
-        for k, x in v.items():
-            if k in out:
-                raise _fail(where, f"field {k!r} given twice")
-            if k not in required and k not in optional:
-                raise _fail(where, f"unknown field(s) [{k!r}]")
-            out[k] = x
-        v = out
-    _keys(_obj(v, where), where, required, optional)
-    return v
-
-
-def _list(v: Any, where: str, *, max_len: int = 1 << 31) -> list:
-    """A list: parsed, or Lazy (large: iterated once); a short one (a shape, a byte range) is
-    always a plain list, whitespace-padded past one piece or not."""
-    if not (isinstance(v, list) or isinstance(v, Lazy) and v.kind == "array"):
-        raise _fail(where, f"expected a list, got {_type_name(v)}")
-    if len(v) > max_len:
-        raise _fail(where, f"a list of {len(v)} entries, at most {max_len} allowed")
-    return list(v) if isinstance(v, Lazy) and max_len <= MAX_NDIM else v
-
-
-def _type_name(v: Any) -> str:
-    return ("object" if v.kind == "object" else "list") if isinstance(v, Lazy) else type(v).__name__
-
-
-def _keys(obj: dict, where: str, required: set[str], optional: set[str] = frozenset()) -> None:
-    missing = required - obj.keys()
-    if missing:
-        raise _fail(where, f"missing field(s) {sorted(missing)}")
-    extra = obj.keys() - required - optional
-    if extra:
-        raise _fail(where, f"unknown field(s) {sorted(extra)[:5]}{' ...' if len(extra) > 5 else ''}")
-
-
-def _digest(v: Any, where: str) -> str:
-    try:
-        hashing.parse_digest(v)
-    except ValueError as e:
-        raise _fail(where, str(e)) from None
-    return v
-
-
-def _dims(v: Any, where: str) -> tuple[int, ...]:
-    lst = _list(v, where, max_len=MAX_NDIM)
-    return tuple(_int(x, f"{where}[{i}]") for i, x in enumerate(lst))
-
-
-def parse_file_name(v: Any, where: str) -> str:
-    """Accept only ``data/<name>.safetensors``: no absolute paths, no ``..``, no odd bytes."""
-    s = _str(v, where)
-    if not _FILE_RE.fullmatch(s) or ".." in s:
-        raise _fail(where, f"file path {s!r} is not of the form data/<name>.safetensors")
-    return s
+# --------------------------------------------------------------------------- version 1
 
 
 def parse_shard_record(v: Any, where: str, *, name: str, ndim: int, shape: tuple[int, ...], isz: int,
                  files: Mapping[str, FileRecord]) -> ShardRecord:
-    o = _record(v, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
-    offsets = _dims(o["offsets"], where + ".offsets")
-    lengths = _dims(o["lengths"], where + ".lengths")
+    o = record_fields(v, where, {"offsets", "lengths", "file", "key", "byte_range", "digest"})
+    offsets = dims_field(o["offsets"], where + ".offsets")
+    lengths = dims_field(o["lengths"], where + ".lengths")
     if len(offsets) != ndim or len(lengths) != ndim:
-        raise _fail(where, f"offsets/lengths have rank {len(offsets)}/{len(lengths)}, tensor has {ndim}")
+        raise fail(where, f"offsets/lengths have rank {len(offsets)}/{len(lengths)}, tensor has {ndim}")
     for d, (off, n, s) in enumerate(zip(offsets, lengths, shape)):
         if off + n > s:
-            raise _fail(where, f"dim {d}: slice [{off}, {off + n}) is outside the shape {list(shape)}")
+            raise fail(where, f"dim {d}: slice [{off}, {off + n}) is outside the shape {list(shape)}")
     fname = parse_file_name(o["file"], where + ".file")
     if fname not in files:
-        raise _fail(where + ".file", f"{fname!r} is not listed in files")
-    br = _list(o["byte_range"], where + ".byte_range", max_len=2)
+        raise fail(where + ".file", f"{fname!r} is not listed in files")
+    br = list_field(o["byte_range"], where + ".byte_range", max_len=2)
     if len(br) != 2:
-        raise _fail(where + ".byte_range", "expected [start, end]")
-    start = _int(br[0], where + ".byte_range[0]", hi=1 << 62)
-    end = _int(br[1], where + ".byte_range[1]", hi=1 << 62)
+        raise fail(where + ".byte_range", "expected [start, end]")
+    start = int_field(br[0], where + ".byte_range[0]", hi=1 << 62)
+    end = int_field(br[1], where + ".byte_range[1]", hi=1 << 62)
     want = math.prod(lengths) * isz
     if end - start != want:
-        raise _fail(where + ".byte_range", f"[{start}, {end}) holds {end - start} bytes, the slice needs {want}")
+        raise fail(where + ".byte_range", f"[{start}, {end}) holds {end - start} bytes, the slice needs {want}")
     if start < files[fname].header_size:
-        raise _fail(where + ".byte_range", f"[{start}, {end}) overlaps the {files[fname].header_size}-byte "
+        raise fail(where + ".byte_range", f"[{start}, {end}) overlaps the {files[fname].header_size}-byte "
                     f"header of {fname}")
     if end > files[fname].size:
-        raise _fail(where + ".byte_range", f"[{start}, {end}) is past the end of {fname} ({files[fname].size} bytes)")
-    key = _str(o["key"], where + ".key")
+        raise fail(where + ".byte_range", f"[{start}, {end}) is past the end of {fname} ({files[fname].size} bytes)")
+    key = str_field(o["key"], where + ".key")
     return ShardRecord(  # a file's name and a tensor's name are one string object each, not one per shard
         offsets=offsets, lengths=lengths, file=sys.intern(fname), key=name if key == name else key,
-        byte_range=(start, end), digest=_digest(o["digest"], where + ".digest"),
+        byte_range=(start, end), digest=digest_field(o["digest"], where + ".digest"),
     )
 
 
-def _parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
-    if v is None:
-        return None
-    o = _record(v, where, {"mesh_dims", "placements", "stage"})
-    dims = tuple(_str(x, f"{where}.mesh_dims[{i}]", max_len=64)
-                 for i, x in enumerate(_list(o["mesh_dims"], where + ".mesh_dims", max_len=16)))
-    places = []
-    for i, p in enumerate(_list(o["placements"], where + ".placements", max_len=16)):
-        w = f"{where}.placements[{i}]"
-        p = _list(p, w, max_len=3)
-        if p == ["replicate"]:
-            places.append(("replicate",))
-        elif len(p) == 2 and p[0] == "shard":
-            if ndim == 0:
-                raise _fail(w, "a 0-d tensor cannot be sharded")
-            places.append(("shard", _int(p[1], w + "[1]", hi=ndim - 1)))
-        elif len(p) == 3 and p[0] == "strided_shard":
-            if ndim == 0:
-                raise _fail(w, "a 0-d tensor cannot be sharded")
-            places.append(("strided_shard", _int(p[1], w + "[1]", hi=max(ndim - 1, 0)),
-                           _int(p[2], w + "[2]", lo=1, hi=1 << 24)))
-        else:
-            raise _fail(w, f"unknown placement {p!r}")
-    if len(places) != len(dims):
-        raise _fail(where, f"{len(dims)} mesh dims but {len(places)} placements")
-    stage = None if o["stage"] is None else _int(o["stage"], where + ".stage", hi=1 << 20)
-    return Placement(mesh_dims=dims, placements=tuple(places), stage=stage)
-
-
 def parse_tensor_record(name: str, v: Any, where: str, files: Mapping[str, FileRecord]) -> TensorRecord:
-    o = _record(v, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
-    dtype = _str(o["dtype"], where + ".dtype", max_len=32)
+    o = record_fields(v, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
+    dtype = str_field(o["dtype"], where + ".dtype", max_len=32)
     if dtype not in SUPPORTED_DTYPES:
-        raise _fail(where + ".dtype", f"unsupported dtype {dtype!r}")
-    shape = _dims(o["shape"], where + ".shape")
+        raise fail(where + ".dtype", f"unsupported dtype {dtype!r}")
+    shape = dims_field(o["shape"], where + ".shape")
     if math.prod(shape) * itemsize(dtype) > 1 << 62:
-        raise _fail(where + ".shape", f"{list(shape)} is impossibly large")
+        raise fail(where + ".shape", f"{list(shape)} is impossibly large")
     kinds = [k for k in ("shards", "alias_of", "view") if k in o]
     if len(kinds) != 1:
-        raise _fail(where, f"needs exactly one of shards, alias_of, view (has {kinds})")
-    placement = _parse_placement(o.get("placement"), where + ".placement", len(shape))
+        raise fail(where, f"needs exactly one of shards, alias_of, view (has {kinds})")
+    placement = parse_placement(o.get("placement"), where + ".placement", len(shape))
     if "alias_of" in o:
         return TensorRecord(dtype=dtype, shape=shape, placement=placement,
-                            alias_of=_str(o["alias_of"], where + ".alias_of"))
+                            alias_of=str_field(o["alias_of"], where + ".alias_of"))
     if "view" in o:
-        vo = _record(o["view"], where + ".view", {"base", "storage_offset", "stride"})
-        stride = _dims(vo["stride"], where + ".view.stride")
+        vo = record_fields(o["view"], where + ".view", {"base", "storage_offset", "stride"})
+        stride = dims_field(vo["stride"], where + ".view.stride")
         if len(stride) != len(shape):
-            raise _fail(where + ".view.stride", f"rank {len(stride)} != shape rank {len(shape)}")
-        view = ViewRecord(base=_str(vo["base"], where + ".view.base"),
-                          storage_offset=_int(vo["storage_offset"], where + ".view.storage_offset"),
+            raise fail(where + ".view.stride", f"rank {len(stride)} != shape rank {len(shape)}")
+        view = ViewRecord(base=str_field(vo["base"], where + ".view.base"),
+                          storage_offset=int_field(vo["storage_offset"], where + ".view.storage_offset"),
                           stride=stride)
         return TensorRecord(dtype=dtype, shape=shape, placement=placement, view=view)
     isz = itemsize(dtype)
     shards = tuple(
         parse_shard_record(s, f"{where}.shards[{i}]", name=name, ndim=len(shape), shape=shape, isz=isz, files=files)
-        for i, s in enumerate(_list(o["shards"], where + ".shards"))
+        for i, s in enumerate(list_field(o["shards"], where + ".shards"))
     )
     return TensorRecord(dtype=dtype, shape=shape, placement=placement, shards=shards)
 
 
 def parse_file_record(v: Any, where: str, world_size: int) -> FileRecord:
-    o = _record(v, where, {"rank", "size", "header_size", "header_digest", "digest", "chunks"})
-    chunks = tuple(_digest(c, f"{where}.chunks[{i}]") for i, c in enumerate(_list(o["chunks"], where + ".chunks")))
-    size = _int(o["size"], where + ".size", hi=1 << 62)
-    header_size = _int(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
+    o = record_fields(v, where, {"rank", "size", "header_size", "header_digest", "digest", "chunks"})
+    chunks = tuple(digest_field(c, f"{where}.chunks[{i}]") for i, c in enumerate(list_field(o["chunks"], where + ".chunks")))
+    size = int_field(o["size"], where + ".size", hi=1 << 62)
+    header_size = int_field(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
     if header_size > size:
-        raise _fail(where + ".header_size", f"{header_size} exceeds the file size {size}")
-    rank = _int(o["rank"], where + ".rank", hi=(1 << 24) - 1)
+        raise fail(where + ".header_size", f"{header_size} exceeds the file size {size}")
+    rank = int_field(o["rank"], where + ".rank", hi=(1 << 24) - 1)
     if rank >= world_size:
-        raise _fail(where + ".rank", f"rank {rank} >= world size {world_size}")
+        raise fail(where + ".rank", f"rank {rank} >= world size {world_size}")
     return FileRecord(rank=rank, size=size,
-                      header_size=header_size, header_digest=_digest(o["header_digest"], where + ".header_digest"),
-                      chunks=chunks, digest=_digest(o["digest"], where + ".digest"))
+                      header_size=header_size, header_digest=digest_field(o["header_digest"], where + ".header_digest"),
+                      chunks=chunks, digest=digest_field(o["digest"], where + ".digest"))
 
 
 def _parse_topology(v: Any, where: str) -> Topology:
-    o = _record(v, where, {"world_size", "mesh", "ranks"})
-    ws = _int(o["world_size"], where + ".world_size", lo=1, hi=1 << 24)
-    mesh = []
-    for i, d in enumerate(_list(o["mesh"], where + ".mesh", max_len=16)):
-        do = _record(d, f"{where}.mesh[{i}]", {"name", "size"})
-        name = _str(do["name"], f"{where}.mesh[{i}].name", max_len=64)
-        if not _MESH_NAME_RE.fullmatch(name):
-            raise _fail(f"{where}.mesh[{i}].name", f"bad mesh dim name {name!r}")
-        mesh.append((name, _int(do["size"], f"{where}.mesh[{i}].size", lo=1, hi=1 << 24)))
-    if mesh and math.prod(s for _, s in mesh) != ws:
-        raise _fail(where, f"mesh {mesh} does not multiply to world_size {ws}")
-    if len({n for n, _ in mesh}) != len(mesh):
-        raise _fail(where + ".mesh", "duplicate mesh dim names")
-    ranks = _list(o["ranks"], where + ".ranks", max_len=1 << 24)
+    o = record_fields(v, where, {"world_size", "mesh", "ranks"})
+    ws = int_field(o["world_size"], where + ".world_size", lo=1, hi=1 << 24)
+    mesh = parse_mesh(o["mesh"], where, ws)
+    ranks = list_field(o["ranks"], where + ".ranks", max_len=1 << 24)
     if len(ranks) != (ws if mesh else 0):  # a count first: world_size is only what the manifest claims
-        raise _fail(where + ".ranks", f"lists {len(ranks)} ranks, the mesh has {ws if mesh else 0} "
+        raise fail(where + ".ranks", f"lists {len(ranks)} ranks, the mesh has {ws if mesh else 0} "
                     "(every rank's row-major mesh coordinates, or [] with no mesh)")
     sizes = [s for _, s in mesh]
     coords = [0] * len(sizes)
     for r, got in enumerate(ranks):  # the rank's coordinates, counted up like an odometer
         if isinstance(got, Lazy):  # whitespace-padded past one piece
-            got = _list(got, f"{where}.ranks[{r}]", max_len=16)
+            got = list_field(got, f"{where}.ranks[{r}]", max_len=16)
         if got != coords:
-            raise _fail(f"{where}.ranks[{r}]", f"{str(got)[:80]} is not rank {r}'s row-major mesh coordinates {coords}")
+            raise fail(f"{where}.ranks[{r}]", f"{str(got)[:80]} is not rank {r}'s row-major mesh coordinates {coords}")
         for d in reversed(range(len(sizes))):
             coords[d] += 1
             if coords[d] < sizes[d]:
@@ -293,19 +166,19 @@ def _parse_topology(v: Any, where: str) -> Topology:
 
 
 def _parse_value(v: Any, where: str, budget: Budget, world_size: int) -> ValueRecord:
-    o = _record(v, where, set(), {"value", "per_rank"})
+    o = record_fields(v, where, set(), {"value", "per_rank"})
     if set(o) == {"value"}:
         return ValueRecord(value=plain(o["value"], budget, where, depth=4))
     if set(o) == {"per_rank"}:
-        pr = _obj(o["per_rank"], where + ".per_rank")
+        pr = obj_field(o["per_rank"], where + ".per_rank")
         out = {}
         for k, val in pr.items():
-            if not _RANK_KEY_RE.fullmatch(k) or int(k) >= world_size:
-                raise _fail(where + ".per_rank", f"rank key {k!r} is not a rank below world size {world_size}")
+            if not RANK_KEY_RE.fullmatch(k) or int(k) >= world_size:
+                raise fail(where + ".per_rank", f"rank key {k!r} is not a rank below world size {world_size}")
             budget.charge(_PER_RANK_ENTRY, where)
             out[int(k)] = plain(val, budget, f"{where}.per_rank[{k}]", depth=5)
         return ValueRecord(per_rank=out)
-    raise _fail(where, "expected {'value': ...} or {'per_rank': {...}}")
+    raise fail(where, "expected {'value': ...} or {'per_rank': {...}}")
 
 
 _PER_RANK_ENTRY = 128  # bytes a per-rank entry holds besides its value: a dict slot and an int key
@@ -338,9 +211,12 @@ def manifest_from_obj(obj: Any, *, source: str = "manifest.json", size: int | No
     budget = Budget.for_document(size, source)
     if isinstance(obj, Lazy):
         obj = _top_level(obj, source)
-    obj = migrate(obj, source=source)
+    version = check_version(obj, source=source)
     try:
-        return _manifest_fields(obj, budget)
+        return _manifest_fields(obj, budget) if version == 1 else root_fields(obj, budget)
+    except FormatVersionError as e:  # a required extension this reader lacks: keep its type
+        raise FormatVersionError(str(e) if str(e).startswith(f"{source}: ") else f"{source}: {e}",
+                                 version=e.version) from None
     except ManifestError as e:
         raise ManifestError(str(e) if str(e).startswith(f"{source}: ") else f"{source}: {e}") from None
 
@@ -369,8 +245,10 @@ def newer_version_error(source: str, version: int) -> FormatVersionError:
                               f"{FORMAT_VERSION}; upgrade shardfmt to read it", version=version)
 
 
-def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
-    """Return the manifest object upgraded to FORMAT_VERSION (or raise naming both versions).
+def check_version(obj: Any, *, source: str = "manifest.json") -> int:
+    """Return the manifest object's format version, once its nesting, ``format`` and version
+    are checked (spec section 9): a version this package has no reader for is refused, a newer
+    one naming both versions. One reader per version; there are no migrations.
 
     The members of a large manifest that are still Lazy are checked for nesting as they are
     parsed (typed JSON) or by type (records)."""
@@ -384,55 +262,30 @@ def migrate(obj: Any, *, source: str = "manifest.json") -> dict:
         raise ManifestError(f"{source}: format_version {version!r} is not a version number")
     if version > FORMAT_VERSION:
         raise newer_version_error(source, version)
-    while version < FORMAT_VERSION:
-        mig = _MIGRATIONS.get(version)
-        if mig is None:
-            raise FormatVersionError(f"{source}: format version {version} has no migration to {FORMAT_VERSION}",
-                                     version=version)
-        obj = mig(dict(obj))
-        new = obj.get("format_version") if isinstance(obj, dict) else None
-        if new != version + 1:
-            raise FormatVersionError(f"{source}: migration from version {version} produced version {new!r}")
-        version = new
-    return obj
+    if version not in READ_VERSIONS:
+        raise FormatVersionError(f"{source}: format version {version} was never written by shardfmt "
+                                 f"(this reader reads versions {list(READ_VERSIONS)})", version=version)
+    return version
 
 
 def _manifest_fields(o: dict, budget: Budget) -> Manifest:
-    _keys(o, "", {"format", "format_version", "save_id", "step", "created_at", "writer",
+    check_keys(o, "", {"format", "format_version", "save_id", "step", "created_at", "writer",
                   "hash_algorithm", "chunk_size", "metadata", "topology", "files", "tensors",
                   "storages", "values"})
-    if o["hash_algorithm"] != hashing.ALGORITHM:
-        raise _fail("hash_algorithm", f"unsupported {o['hash_algorithm']!r}")
-    chunk_size = _int(o["chunk_size"], "chunk_size", lo=4096, hi=1 << 30)
-    writer = {k: _str(v, f"writer.{k}", max_len=256) for k, v in _obj(o["writer"], "writer").items()}
+    chunk_size, writer = common_fields(o)
     topology = _parse_topology(o["topology"], "topology")  # first: ranks are checked as records stream
     files = {parse_file_name(k, f"files[{k!r}]"): parse_file_record(v, f"files[{k!r}]", topology.world_size)
-             for k, v in _obj(o["files"], "files").items()}
+             for k, v in obj_field(o["files"], "files").items()}
     for name, f in files.items():
         want = max(1, -(-f.size // chunk_size)) if f.size else 0
         if len(f.chunks) != want:
-            raise _fail(f"files[{name!r}].chunks", f"{len(f.chunks)} chunk digests for {f.size} bytes "
+            raise fail(f"files[{name!r}].chunks", f"{len(f.chunks)} chunk digests for {f.size} bytes "
                         f"(chunk size {chunk_size}) where {want} are needed")
-    tensors = {_str(k, "tensors key"): parse_tensor_record(k, v, f"tensors[{k!r}]", files)
-               for k, v in _obj(o["tensors"], "tensors").items()}
-    storages = {_str(k, "storages key"): parse_tensor_record(k, v, f"storages[{k!r}]", files)
-                for k, v in _obj(o["storages"], "storages").items()}
-    for name, rec in tensors.items():
-        if rec.alias_of is not None:
-            target = tensors.get(rec.alias_of)
-            if target is None or target.alias_of is not None:
-                raise _fail(f"tensors[{name!r}].alias_of", f"{rec.alias_of!r} is not a stored tensor")
-            if (target.dtype, target.shape) != (rec.dtype, rec.shape):
-                raise _fail(f"tensors[{name!r}]", "alias dtype/shape differ from its target")
-        if rec.view is not None:
-            base = storages.get(rec.view.base)
-            if base is None:
-                raise _fail(f"tensors[{name!r}].view.base", f"{rec.view.base!r} is not in storages")
-            if base.dtype != rec.dtype or len(base.shape) != 1:
-                raise _fail(f"tensors[{name!r}].view", "view must share its storage's dtype; storages are 1-D")
-            extent = rec.view.storage_offset + view_reach(rec.shape, rec.view.stride)
-            if math.prod(rec.shape) and extent > base.shape[0]:
-                raise _fail(f"tensors[{name!r}].view", f"reaches element {extent - 1} of a {base.shape[0]}-element storage")
+    tensors = {str_field(k, "tensors key"): parse_tensor_record(k, v, f"tensors[{k!r}]", files)
+               for k, v in obj_field(o["tensors"], "tensors").items()}
+    storages = {str_field(k, "storages key"): parse_tensor_record(k, v, f"storages[{k!r}]", files)
+                for k, v in obj_field(o["storages"], "storages").items()}
+    check_links(tensors, storages)
     seen_keys: dict[tuple[str, str], str] = {}  # (file, key) -> the record that uses it
     for kind, recs in (("tensors", tensors), ("storages", storages)):
         for name, rec in recs.items():
@@ -440,22 +293,14 @@ def _manifest_fields(o: dict, budget: Budget) -> Manifest:
                 where = f"{kind}[{name!r}].shards[{i}]"
                 first = seen_keys.setdefault((sh.file, sh.key), where)
                 if first != where:
-                    raise _fail(where + ".key", f"key {sh.key!r} of {sh.file} is used by {first} too "
+                    raise fail(where + ".key", f"key {sh.key!r} of {sh.file} is used by {first} too "
                                 "(a key is unique within its file)")
-    for name, rec in storages.items():
-        if rec.alias_of is not None or rec.view is not None or len(rec.shape) != 1:
-            raise _fail(f"storages[{name!r}]", "a storage must be a 1-D tensor stored in shards")
-    values = {_str(k, "values key"): _parse_value(v, f"values[{k!r}]", budget, topology.world_size)
-              for k, v in _obj(o["values"], "values").items()}
-    clash = (tensors.keys() & storages.keys()) | (tensors.keys() & values.keys()) | (storages.keys() & values.keys())
-    if clash:
-        raise _fail("tensors/storages/values", f"names used twice: {sorted(clash)[:5]}")
-    step = o["step"]
-    if step is not None:
-        step = _int(step, "step", hi=MAX_STEP)
+    values = {str_field(k, "values key"): _parse_value(v, f"values[{k!r}]", budget, topology.world_size)
+              for k, v in obj_field(o["values"], "values").items()}
+    check_names(tensors, storages, values)
     return Manifest(
-        format_version=o["format_version"], save_id=_str(o["save_id"], "save_id", max_len=128),
-        step=step, created_at=_str(o["created_at"], "created_at", max_len=64),
+        format_version=o["format_version"], save_id=str_field(o["save_id"], "save_id", max_len=128),
+        step=step_field(o["step"]), created_at=str_field(o["created_at"], "created_at", max_len=64),
         writer=writer, chunk_size=chunk_size, metadata=plain(o["metadata"], budget, "metadata", depth=2),
         topology=topology, files=files, tensors=tensors,
         storages=storages, values=values,
@@ -467,7 +312,7 @@ def parse_commit(raw: bytes, *, source: str = "COMMITTED") -> CommitRecord:
 
     A marker that carries a ``format_version`` newer than this reader's is a later version's
     (spec section 9): a FormatVersionError, checked before anything else could call it malformed.
-    Version 1 writes exactly three keys, so any other ``format_version`` is an unknown field."""
+    Version 1 writes exactly three keys; version 2 adds ``format_version`` = 2."""
     if len(raw) > MAX_COMMITTED_BYTES:
         raise ManifestError(f"{source}: {len(raw)} bytes exceeds the {MAX_COMMITTED_BYTES}-byte limit")
     try:
@@ -480,8 +325,13 @@ def parse_commit(raw: bytes, *, source: str = "COMMITTED") -> CommitRecord:
     if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
         raise newer_version_error(source, version)
     try:
-        _keys(o, "", {"format", "save_id", "manifest_digest"})
-        return CommitRecord(save_id=_str(o["save_id"], "save_id", max_len=128),
-                            manifest_digest=_digest(o["manifest_digest"], "manifest_digest"))
+        if "format_version" in o:  # version 1 writes none; version 2 writes 2 (spec section 4.9)
+            int_field(version, "format_version", lo=2, hi=2)
+            check_keys(o, "", {"format", "format_version", "save_id", "manifest_digest"})
+        else:
+            check_keys(o, "", {"format", "save_id", "manifest_digest"})
+        return CommitRecord(save_id=str_field(o["save_id"], "save_id", max_len=128),
+                            manifest_digest=digest_field(o["manifest_digest"], "manifest_digest"),
+                            format_version=version if "format_version" in o else 1)
     except ManifestError as e:
         raise ManifestError(f"{source}: {e}") from None

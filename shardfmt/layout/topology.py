@@ -240,20 +240,23 @@ def held_intervals(global_shape: Sequence[int], layout: Layout, coords: Mapping[
             raise TopologyError(f"layout uses mesh dim {name!r}, mesh has {sorted(mesh_sizes)}")
         if p.dim >= len(global_shape):
             raise TopologyError(f"placement shards dim {p.dim} of a {len(global_shape)}-d tensor")
-        k, c = mesh_sizes[name], coords[name]
-        cur = held[p.dim]
-        n = _length(cur)
-        if isinstance(p, Shard):
-            lo, hi = chunk_range(n, k, c)
-            held[p.dim] = _take(cur, lo, hi)
-        else:
-            pieces: list[tuple[int, int]] = []
-            for j in range(p.split_factor):
-                a, b = chunk_range(n, p.split_factor, j)
-                lo, hi = chunk_range(b - a, k, c)
-                pieces.extend(_take(cur, a + lo, a + hi))
-            held[p.dim] = tuple(pieces)
+        held[p.dim] = narrow(held[p.dim], p, size=mesh_sizes[name], coord=coords[name])
     return tuple(held)
+
+
+def narrow(intervals: Intervals, placement: Shard | StridedShard, *, size: int, coord: int) -> Intervals:
+    """Return the part of one tensor dim's held ``intervals`` that a rank at ``coord`` of a mesh
+    dim of ``size`` keeps under ``placement`` (one step of spec section 4.3, rule 3)."""
+    n = _length(intervals)
+    if isinstance(placement, Shard):
+        lo, hi = chunk_range(n, size, coord)
+        return _take(intervals, lo, hi)
+    pieces: list[tuple[int, int]] = []
+    for j in range(placement.split_factor):
+        a, b = chunk_range(n, placement.split_factor, j)
+        lo, hi = chunk_range(b - a, size, coord)
+        pieces.extend(_take(intervals, a + lo, a + hi))
+    return tuple(pieces)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardfmt.errors import IntegrityError, ShardfmtError
-from shardfmt.format.hashing import ChunkHasher
+from shardfmt.errors import IntegrityError, ManifestError, ShardfmtError
+from shardfmt.format.hashing import ChunkGrid, ChunkHasher
 from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
 from shardfmt.io import aligned
@@ -168,7 +168,7 @@ class Executor:
     plans (offline conversion under a memory budget) keeps one fixed set; each must hold the
     plan's largest bounced read. ``follow_links``: the files under ``root`` may be reached
     through symbolic links (a Hugging Face folder, never a shardfmt checkpoint: spec section 2).
-    The plan carries the file records and the hash chunk size its reads are checked against.
+    The plan carries the file records and chunk grids its reads are checked against.
     """
 
     def __init__(self, storage: Storage, root: str, targets: Sequence[ReadTarget],
@@ -183,12 +183,12 @@ class Executor:
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
         self._files: Mapping[str, FileRecord] = {}
-        self._chunk = 0
+        self._grids: Mapping[str, ChunkGrid] = {}
 
     def run(self, plan: LoadPlan) -> None:
         self._local = threading.local()
         self._free = queue.SimpleQueue()
-        self._files, self._chunk = plan.files, plan.chunk_size
+        self._files, self._grids = plan.files, plan.grids
         for b in self._given:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
@@ -293,8 +293,8 @@ class Executor:
               around: bool = False) -> None:
         """Read the segments in cache-sized pieces, hashing each piece as soon as it lands
         (``around``: through ``_read_direct``)."""
-        hasher = ChunkHasher(self._chunk) if verify else None
         pos = read.byte_range.start
+        hasher = self._hasher(read) if verify else None
         try:
             if around:
                 _read_direct(reader, read, segments, hasher)
@@ -332,21 +332,32 @@ class Executor:
                 hasher.update(piece)
         return pos + size
 
-    def _verify(self, read: PhysicalRead, got: list[str]) -> None:
-        c = self._chunk
+    def _hasher(self, read: PhysicalRead) -> ChunkHasher:
+        """A hasher cutting the read's bytes into the chunks of its file's grid."""
         start, end = read.byte_range.start, read.byte_range.end
-        if start % c:
-            raise IntegrityError(f"{read.file}: read at byte {start} is not chunk-aligned; cannot verify")
-        first = start // c
+        grid = self._grids[read.file]
+        try:
+            if grid.widen(start, end) != (start, end):
+                raise IntegrityError(f"{read.file}: read of bytes [{start}, {end}) is not whole chunks; cannot verify")
+            return grid.hasher(start)
+        except ManifestError as e:
+            raise IntegrityError(f"{read.file}: read of bytes [{start}, {end}) cannot be verified: {e}") from None
+
+    def _verify(self, read: PhysicalRead, got: list[str]) -> None:
+        start, end = read.byte_range.start, read.byte_range.end
+        grid = self._grids[read.file]
+        span = grid.span(start, end)
         want = self._files[read.file].chunks
-        for i, digest in enumerate(got):
-            k = first + i
+        for k, digest in zip(span, got):
             if k >= len(want) or digest != want[k]:
-                lo = k * c
+                lo, hi = grid.bounds(k)
                 raise IntegrityError(
-                    f"{read.file}: chunk {k} (bytes [{lo}, {min(lo + c, end)})) hashes to {digest}, "
+                    f"{read.file}: chunk {k} (bytes [{lo}, {hi})) hashes to {digest}, "
                     f"manifest says {want[k] if k < len(want) else 'nothing'}"
                 )
+        if len(got) != len(span):
+            raise IntegrityError(f"{read.file}: bytes [{start}, {end}) hashed as {len(got)} chunks, "
+                                 f"the chunk grid has {len(span)} there")
 
 
 def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],

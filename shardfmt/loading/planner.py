@@ -9,7 +9,9 @@ reads: adjacent spans merge when the gap is at most ``max_gap``; a read never gr
 chunks so every chunk it touches can be checked; where the next read would start inside the
 last chunk of the previous one, the previous one ends at that chunk's start instead (copies
 straddling it are split with ``geometry.split_block``), so no chunk is read twice; unverified
-reads are cut the same way at the next copy's first byte.
+reads are cut the same way at the next copy's first byte. Where a file's chunks lie is its
+``hashing.ChunkGrid`` (``FileRecord.grid``): fixed-size from byte 0 (v1) or cut from each
+tensor entry's start (v2), so a verified read of one shard never reaches into its neighbour.
 
 A file's spans come in two kinds: those that land in place (a contiguous run into a
 contiguous region) and those gathered through a bounce buffer (strided, cast or device
@@ -32,8 +34,8 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shardfmt.errors import PlanError, ShapeError
-from shardfmt.format.hashing import chunk_span
+from shardfmt.errors import ManifestError, PlanError, ShapeError
+from shardfmt.format.hashing import ChunkGrid
 from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord
 from shardfmt.layout.geometry import (
     Box,
@@ -91,14 +93,14 @@ class PhysicalRead:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadPlan:
     """Every read a rank issues, per file in offset order, and the bytes it actually needs;
-    with what the executor checks them against (the files' records and hash chunk size)."""
+    with what the executor checks them against (the files' records and where their chunks lie)."""
 
     reads: tuple[PhysicalRead, ...]
     needed_bytes: int
     verify: bool
     shards: tuple[tuple[str, ShardRecord], ...] = ()  # (fqn, shard) of every shard read from
     files: Mapping[str, FileRecord] = field(default_factory=dict)  # every file read from
-    chunk_size: int = 0
+    grids: Mapping[str, ChunkGrid] = field(default_factory=dict)  # the chunk grid of every file read from
 
     @property
     def bytes_to_read(self) -> int:
@@ -118,8 +120,8 @@ class LoadPlan:
         return out
 
 
-class _ShardIndex:
-    """Shards of one tensor sorted by their dim-0 start, for sweep lookups."""
+class ShardIndex:
+    """Shards (anything with offsets and lengths) of one tensor sorted by their dim-0 start, for sweep lookups."""
 
     __slots__ = ("shards", "starts", "max_len0")
 
@@ -166,7 +168,7 @@ def plan_load(
     another writer): a copy cannot be split there, and the chunk is read by both reads.
     """
     max_bounce_read = min(max_bounce_read, max_read)
-    indexes: dict[str, _ShardIndex] = {}
+    indexes: dict[str, ShardIndex] = {}
     per_file: dict[tuple[str, bool], list[CopyItem]] = {}
     used: dict[tuple[str, str], tuple[str, ShardRecord]] = {}
     needed = 0
@@ -176,7 +178,7 @@ def plan_load(
             continue
         idx = indexes.get(t.fqn)
         if idx is None:
-            idx = indexes[t.fqn] = _ShardIndex(rec.shards)
+            idx = indexes[t.fqn] = ShardIndex(rec.shards)
         hits = idx.overlapping(t.box)
         problems = tiling_problems([inter for _, inter in hits], t.box, limit=1)
         if problems:
@@ -194,13 +196,17 @@ def plan_load(
                 t, shard, local, rec.itemsize, max_gap=max_gap, max_span=max_bounce_read if is_bounce else max_read))
     reads: list[PhysicalRead] = []
     names = sorted({f for f, _ in per_file})
+    grids = {f: manifest.files[f].grid(manifest.chunk_size) for f in names}
     for fname in names:
-        reads.extend(_file_reads(fname, per_file.get((fname, False), []), per_file.get((fname, True), []),
-                                 manifest, verify=verify, max_gap=max_gap, max_read=max_read,
-                                 max_bounce_read=max_bounce_read))
+        try:
+            reads.extend(_file_reads(fname, per_file.get((fname, False), []), per_file.get((fname, True), []),
+                                     grids[fname], verify=verify, max_gap=max_gap, max_read=max_read,
+                                     max_bounce_read=max_bounce_read))
+        except ManifestError as e:  # the shard records and the file's chunk grid disagree
+            raise ManifestError(f"{fname}: {e}") from None
     return LoadPlan(reads=tuple(reads), needed_bytes=needed, verify=verify,
                     shards=tuple(used[k] for k in sorted(used)),
-                    files={f: manifest.files[f] for f in names}, chunk_size=manifest.chunk_size)
+                    files={f: manifest.files[f] for f in names}, grids=grids)
 
 
 def _checked_record(manifest: Manifest, t: TargetSlice):
@@ -233,7 +239,7 @@ def _copies(t: TargetSlice, shard: ShardRecord, local: Box, isz: int, *, max_gap
     ) for span in box_spans(shard.lengths, local, isz, max_gap=max_gap, max_span=max_span)]
 
 
-def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], manifest: Manifest, *,
+def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], grid: ChunkGrid, *,
                 verify: bool, max_gap: int, max_read: int, max_bounce_read: int) -> list[PhysicalRead]:
     """The reads of one file, in offset order, no two of them reading the same byte.
 
@@ -244,7 +250,7 @@ def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], m
     bounced reads start and end on chunk boundaries, so the in-place reads' rounding to whole
     chunks stays between them too.
     """
-    shared = sorted(_group(fname, bounced, manifest, verify=verify, max_gap=max_gap, max_read=max_bounce_read),
+    shared = sorted(_group(fname, bounced, grid, verify=verify, max_gap=max_gap, max_read=max_bounce_read),
                     key=lambda r: r.byte_range.start)
     starts = [r.byte_range.start for r in shared]
     joined: list[list[CopyItem]] = [list(r.items) for r in shared]
@@ -270,22 +276,22 @@ def _file_reads(fname: str, straight: list[CopyItem], bounced: list[CopyItem], m
                         items=tuple(sorted(items, key=lambda i: (i.src_start, i.src_end))))
            for r, items in zip(shared, joined)]
     for items in between:
-        out.extend(_group(fname, items, manifest, verify=verify, max_gap=max_gap, max_read=max_read))
+        out.extend(_group(fname, items, grid, verify=verify, max_gap=max_gap, max_read=max_read))
     out.sort(key=lambda r: (r.byte_range.start, r.byte_range.end))
     return out
 
 
-def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: bool,
+def _group(fname: str, items: list[CopyItem], grid: ChunkGrid, *, verify: bool,
            max_gap: int, max_read: int) -> list[PhysicalRead]:
-    size = manifest.files[fname].size
-    chunk = manifest.chunk_size
-    unit = chunk if verify else 1  # where reads may be cut: chunk boundaries when verified
+    """Group copies (of one kind) into reads of at most ``max_read`` bytes, merging across gaps
+    of at most ``max_gap``; verified reads are whole chunks of ``grid``, no chunk in two reads."""
+    widen = grid.widen
+    floor = grid.floor if verify else (lambda pos: pos)  # where reads may be cut: chunk starts when verified
 
     def outer(i: CopyItem) -> tuple[int, int]:
         if not verify:
             return i.src_start, i.src_end
-        span = chunk_span(i.src_start, i.src_end, chunk)
-        return span.start * chunk, min(span.stop * chunk, size)
+        return widen(i.src_start, i.src_end)
 
     items.sort(key=lambda i: (i.src_start, i.src_end))
     out: list[PhysicalRead] = []
@@ -312,7 +318,7 @@ def _group(fname: str, items: list[CopyItem], manifest: Manifest, *, verify: boo
             # instead, so no byte is read (and hashed) twice: end the read at the chunk before
             # ``it`` (what lies past it moves to the next read), or, when ``it`` starts in the
             # read's first chunk, keep the part of ``it`` inside the read and carry the rest.
-            cut = it.src_start // unit * unit
+            cut = floor(it.src_start)
             if cut > cur_start:
                 kept = _cut_items(cur, cut)
                 if kept is not None:

@@ -36,6 +36,7 @@ from shardfmt.format.parse import parse_commit, parse_manifest
 from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
+from shardfmt.loading.resolve import expand
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +107,12 @@ def read_manifest_bytes(storage: Storage, path: str) -> bytes:
 
 
 def open_checkpoint(path: str, *, storage_options: dict | None = None,
-                    storage: Storage | None = None) -> Checkpoint:
-    """Open a committed checkpoint; raise if it is uncommitted, edited or unreadable."""
+                    storage: Storage | None = None, whole: bool = True) -> Checkpoint:
+    """Open a committed checkpoint; raise if it is uncommitted, edited or unreadable.
+
+    A v2 checkpoint's manifest comes ``whole`` (every file and shard, read from every rank
+    index and header: ``resolve.expand``), or as its root alone (``whole=False``: what a load
+    resolves its own part from)."""
     if storage is None:
         storage, path = get_storage(path, storage_options)
     path = resolve_path(storage, path)
@@ -121,11 +126,17 @@ def open_checkpoint(path: str, *, storage_options: dict | None = None,
     if manifest.save_id != commit.save_id:
         raise IntegrityError(f"{path}: manifest save_id {manifest.save_id!r} != {COMMITTED_NAME} "
                              f"save_id {commit.save_id!r}")
+    if manifest.format_version != commit.format_version:
+        raise IntegrityError(f"{path}: manifest format version {manifest.format_version} != {COMMITTED_NAME}'s "
+                             f"{commit.format_version}")
+    if whole:
+        manifest = expand(storage, path, manifest)
     return Checkpoint(storage=storage, path=path, manifest=manifest, commit=commit)
 
 
 def read_manifest(path: str, *, storage_options: dict | None = None) -> Manifest:
-    """Return the manifest of the committed checkpoint at ``path``."""
+    """Return the manifest of the committed checkpoint at ``path`` (a v2 one whole: every file
+    and shard, read from its rank indexes and headers)."""
     return open_checkpoint(path, storage_options=storage_options).manifest
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardfmt.errors import MissingKeyError, StateDictError
+from shardfmt.errors import ManifestError, MissingKeyError, StateDictError
 from shardfmt.format import jsonvalue
 from shardfmt.format.manifest import Manifest, ValueRecord
 from shardfmt.layout.state import (
@@ -138,10 +138,13 @@ def _stored_value(leaf: Leaf, rec: ValueRecord, m: Manifest, options: LoadOption
         raise StateDictError(f"{fqn}: the checkpoint holds one replicated value, the caller expects PerRank")
     if world_size != saved_world and options.per_rank == "skip":
         return _SKIP
-    if world_size != saved_world or rank not in rec.per_rank:
+    if world_size != saved_world:
         raise StateDictError(f"{fqn}: per-rank value was saved by {saved_world} rank(s) "
                              f"(ranks {sorted(rec.per_rank)[:8]}), this job has {world_size} "
                              f"and this is rank {rank}; pass per_rank='skip' to keep the current values")
+    if rank not in rec.per_rank:  # the same job's rank: the checkpoint lacks its value (spec section 4.6)
+        raise ManifestError(f"{source}: {fqn}: a per-rank value, but the checkpoint holds none for rank {rank} "
+                            f"(of the {saved_world} ranks that saved it)")
     got = jsonvalue.decode_stored(rec.per_rank[rank], where=fqn, source=source)
     return PerRank(got) if isinstance(v, PerRank) else got
 

@@ -207,6 +207,7 @@ def async_save(
     check_replicas: bool | None = None,
     write_workers: int | None = None,
     part_size: int | None = None,
+    format_version: int | None = None,
     stager: Stager | None = None,
     policy: str = "wait",
     stage: str = "call",
@@ -230,7 +231,8 @@ def async_save(
     t0 = time.perf_counter()
     opts = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options, chunk_size=chunk_size,
                               sync=sync, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
-                              write_workers=write_workers, part_size=part_size)
+                              write_workers=write_workers, part_size=part_size,
+                              format_version=format_version)
     if metadata is not None:  # part of the snapshot: a change after the call must not reach the manifest
         metadata = jsonvalue.decode(jsonvalue.encode(metadata, where="metadata"), where="metadata")
     stager = stager or default_stager(process_group)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardfmt.errors import ShardfmtError
+from shardfmt.format.index import RankEntry
 from shardfmt.format.manifest import FileRecord, Manifest, Placement, ShardRecord, TensorRecord
 from shardfmt.format.parse import (
     parse_file_name,
@@ -27,6 +28,7 @@ from shardfmt.format.parse import (
     parse_shard_record,
     parse_tensor_record,
 )
+from shardfmt.format.parse_v2 import parse_rank_entry
 from shardfmt.layout.geometry import Box
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
@@ -144,18 +146,25 @@ class WrittenFile:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Written:
-    """Step 6: the file this rank wrote (None: it writes nothing)."""
+    """Step 6: the file this rank wrote (None: it writes nothing); format v2: instead, the
+    rank-table entry of the index it wrote (None: it wrote neither data nor per-rank values)
+    and its data files' names (what the commit checks are still there)."""
 
     file: WrittenFile | None = None
+    index: RankEntry | None = None
+    names: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"file": None if self.file is None else self.file.to_json()}
+        return {"file": None if self.file is None else self.file.to_json(),
+                "index": None if self.index is None else self.index.to_json(), "names": list(self.names)}
 
     @classmethod
     def decoder(cls, tensors: Mapping[str, TensorRecord]):
         def decode(o: Mapping, *, rank: int) -> Written:
-            f = o["file"]
-            return cls(file=None if f is None else WrittenFile.from_json(f, rank=rank, tensors=tensors))
+            f, i = o["file"], o["index"]
+            return cls(file=None if f is None else WrittenFile.from_json(f, rank=rank, tensors=tensors),
+                       index=None if i is None else parse_rank_entry(i, rank=rank, where=_where(rank, "index")),
+                       names=tuple(parse_file_name(n, _where(rank, "names")) for n in o["names"]))
         return decode
 
 

@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from shardfmt.commit.protocol import StepHook
-from shardfmt.format import hashing
+from shardfmt.errors import StateDictError
 
 Clock = Callable[[], _dt.datetime]
 DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a time (a multiple of chunks)
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=10)  # collectives of a save, when the caller gives none
+WRITE_VERSIONS = (1, 2)  # the format versions a save can write (spec/FORMAT.md section 9)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,22 +44,25 @@ class SaveOptions:
     """How a checkpoint is written (not what: the state, ``step`` and ``metadata`` are the call's).
 
     ``overwrite`` replaces a committed checkpoint atomically; ``storage_options`` go to fsspec;
-    ``chunk_size`` is the hash chunk; ``sync`` makes the files durable before the commit;
+    ``chunk_size`` is the hash chunk (None: chosen per save by ``plan.auto_chunk_size``); ``sync`` makes the files durable before the commit;
     ``timeout`` bounds every collective of a distributed save; ``mesh`` names the job's layout
     in the manifest; ``check_replicas`` turns differing replicas into an error;
     ``write_workers`` threads (None: this rank's share of the cores, at most 4) write and hash
-    ``part_size`` parts of a file in parallel.
+    ``part_size`` parts of a file in parallel. ``format_version`` 2 writes what a rank of any
+    job size reads in time proportional to its part (spec/FORMAT.md); 1 keeps checkpoints
+    readable by readers released before version 2.
     """
 
     overwrite: bool = False
     storage_options: Mapping | None = None
-    chunk_size: int = hashing.DEFAULT_CHUNK_SIZE
+    chunk_size: int | None = None
     sync: bool = True
     timeout: _dt.timedelta | None = None
     mesh: Mapping[str, int] | None = None
     check_replicas: bool = False
     write_workers: int | None = None
     part_size: int = DEFAULT_PART_SIZE
+    format_version: int = 2
     _seams: Seams = field(default=NO_SEAMS, repr=False)
 
     @classmethod
@@ -67,6 +71,10 @@ class SaveOptions:
         base = options if options is not None else cls()
         changes = {k: v for k, v in given.items() if v is not None}
         return dataclasses.replace(base, **changes) if changes else base
+
+    def __post_init__(self) -> None:
+        if self.format_version not in WRITE_VERSIONS:
+            raise StateDictError(f"format_version must be one of {list(WRITE_VERSIONS)}, got {self.format_version!r}")
 
     @property
     def seams(self) -> Seams:

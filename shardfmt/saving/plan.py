@@ -8,12 +8,13 @@ both ends of one write: the global slice and the local data it comes from.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shardfmt.errors import StateDictError
+from shardfmt.format import hashing
 from shardfmt.format.dtypes import itemsize
 from shardfmt.format.manifest import Placement
 from shardfmt.layout.geometry import Box
@@ -69,3 +70,26 @@ def my_items(state: RankState, pieces, writers: dict[WriteKey, int], *, rank: in
                       storage=held[f].storage, data=data, ready=gates.get((f, box)))
             for f, ps in pieces.items() for box, data in ps
             if writers[(f, box.offsets, box.lengths)] == rank]
+
+
+MIN_AUTO_CHUNK = 16 << 10
+CHUNKS_PER_SHARD = 8  # a verified read of part of a shard reads at most 2 chunks more: 1/4 of a typical shard
+
+
+def auto_chunk_size(box_bytes: Iterable[int], *, format_version: int) -> int:
+    """The hash chunk of a save that was given none: v1's 1 MiB; v2 (chunks aligned to each
+    shard) about 1/8 of the median stored box, a power of two in [16 KiB, 1 MiB], so a
+    verified read of part of a shard stays near the bytes it needs at fine sharding (a job of
+    thousands of ranks) and large shards keep 1 MiB chunks (few digests). ``box_bytes``: the
+    bytes of every stored box (every rank of a save has the same plan, so all pick alike)."""
+    big = hashing.DEFAULT_CHUNK_SIZE
+    if format_version < 2:
+        return big
+    sizes = sorted(n for n in box_bytes if n)
+    if not sizes:
+        return big
+    want = sizes[len(sizes) // 2] // CHUNKS_PER_SHARD
+    chunk = MIN_AUTO_CHUNK
+    while chunk * 2 <= min(want, big):
+        chunk *= 2
+    return chunk

@@ -25,6 +25,7 @@ timeout rather than as a hang.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -32,7 +33,15 @@ import xxhash
 
 from shardfmt.errors import ShardfmtError, StateDictError
 from shardfmt.format import hashing
-from shardfmt.format.manifest import Manifest, TensorRecord, Topology, ValueRecord, rank_file_name
+from shardfmt.format.dtypes import itemsize
+from shardfmt.format.manifest import (
+    ListedShard,
+    Manifest,
+    TensorRecord,
+    Topology,
+    ValueRecord,
+    rank_file_name,
+)
 from shardfmt.format.parse import check_step
 from shardfmt.format.tensor_bytes import byte_pieces
 from shardfmt.io.registry import get_storage
@@ -42,7 +51,9 @@ from shardfmt.saving.coordinator import Coordinator
 from shardfmt.saving.describe import Prepared
 from shardfmt.saving.messages import Committed, RankError, RankState, Staged, Written, WrittenFile
 from shardfmt.saving.options import SaveOptions
-from shardfmt.saving.plan import WriteItem, assign_writers, my_items
+from shardfmt.saving.placing import PlacedPlan, plan_placed
+from shardfmt.saving.plan import WriteItem, assign_writers, auto_chunk_size, my_items
+from shardfmt.saving.rank_index import write_rank_index
 from shardfmt.saving.shard_file import (
     ShardData,
     default_write_workers,
@@ -68,11 +79,17 @@ def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: Save
         storage, path = get_storage(path, options.storage_options)
     run = _Run(prepared=prepared, snapshot=snapshot, coord=coord, options=options, storage=storage, path=path)
     states = run.gather(run.agree(step))
-    writers = assign_writers(states)
+    plan = plan_placed(states, topology) if options.format_version >= 2 else None
+    writers = assign_writers(states) if plan is None else plan.writers
+    if options.chunk_size is None:  # the same on every rank: every rank has the same plan
+        isz = {t.fqn: itemsize(t.dtype) for s in states for t in s.tensors}
+        sizes = (math.prod(lengths) * isz[fqn] for fqn, _, lengths in writers)
+        run.options = options = dataclasses.replace(options, chunk_size=auto_chunk_size(
+            sizes, format_version=options.format_version))
     writer = run.stage()
     try:
         written = run.write(writers, states)
-        return run.commit(writer, states, written, step=step, metadata=metadata, topology=topology)
+        return run.commit(writer, states, written, plan, step=step, metadata=metadata, topology=topology)
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -155,22 +172,35 @@ class _Run:
                 file = write_shard_file(self.storage, self.staged.staging, name, rank, _shard_data(items),
                                         chunk_size=opts.chunk_size, sync=opts.sync,
                                         workers=opts.write_workers or default_write_workers(),
-                                        part_size=opts.part_size)
+                                        part_size=opts.part_size, aligned=opts.format_version >= 2)
             # A snapshot counts only whole: pieces other ranks write must have been copied here too.
             self.prepared.wait_ready()
-            msg: Written | RankError = Written(file=file)
+            msg: Written | RankError = self._written(file, states[rank])
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
         results = self.coord.gather(msg, Written.decoder(_records(states)), "gathering write results")
         self.coord.raise_failures(results, "writing shard files")
         return results
 
-    def commit(self, writer: CheckpointWriter | None, states: list[RankState], written: list[Written], *,
-               step: int | None, metadata: Any, topology: Topology) -> Manifest:
+    def _written(self, file: WrittenFile | None, state: RankState) -> Written:
+        """What this rank reports of its writing: v1, the file; v2, the index it then writes."""
+        if self.options.format_version < 2:
+            return Written(file=file)
+        if file is None and not state.per_rank:
+            return Written()
+        entry = write_rank_index(self.storage, self.staged.staging, rank=self.coord.rank, save_id=self.staged.save_id,
+                                 name_tag=self.staged.name_tag, files={} if file is None else {file.name: file.record},
+                                 values=dict(state.per_rank))
+        return Written(index=entry, names=() if file is None else (file.name,))
+
+    def commit(self, writer: CheckpointWriter | None, states: list[RankState], written: list[Written],
+               plan: PlacedPlan | None, *, step: int | None, metadata: Any, topology: Topology) -> Manifest:
         """7) Rank 0 records every file and commits; every rank gets the manifest (or the error)."""
         msg = None
         if self.coord.rank == 0:
             try:
+                if plan is not None:
+                    _record_v2(writer, states, written, plan)
                 msg = Committed(manifest=_commit(writer, states, [w.file for w in written if w.file is not None],
                                                  step=step, metadata=metadata, topology=topology))
             except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
@@ -206,6 +236,27 @@ def _commit(writer: CheckpointWriter, states: list[RankState], files: list[Writt
     return writer.commit(step=step, metadata=metadata, topology=topology)
 
 
+def _record_v2(writer: CheckpointWriter, states: list[RankState], written: list[Written], plan: PlacedPlan) -> None:
+    """v2: what rank 0 records of what the others wrote: each tensor by its placement or by its
+    listed boxes with their writers (the plan every rank followed), and each rank's index."""
+    held = {}
+    for s in states:
+        for t in s.tensors:
+            held.setdefault(t.fqn, t)
+    listed: dict[str, list[ListedShard]] = {}
+    for (fqn, offsets, lengths), rank in plan.writers.items():
+        if fqn not in plan.placed:
+            listed.setdefault(fqn, []).append(ListedShard(offsets=offsets, lengths=lengths, rank=rank))
+    for fqn, t in sorted(held.items()):
+        if fqn in plan.placed:
+            writer.place(fqn, t.dtype, t.shape, plan.placed[fqn], storage=t.storage)
+        else:
+            writer.add_listed(fqn, t.dtype, t.shape, t.placement, listed.get(fqn, []), storage=t.storage)
+    for rank, w in enumerate(written):
+        if w.index is not None:
+            writer.add_rank_entry(rank, w.index, files=w.names)
+
+
 def _add_records(writer: CheckpointWriter, states: list[RankState]) -> None:
     aliases: dict[str, str] = {}
     views: dict[str, TensorRecord] = {}
@@ -227,8 +278,8 @@ def _add_records(writer: CheckpointWriter, states: list[RankState]) -> None:
         writer.add_view(f, rec.dtype, rec.shape, rec.view)
     for f, v in values.items():
         writer.add_encoded_value(f, ValueRecord(value=v))
-    for f, m in per_rank.items():
-        writer.add_encoded_value(f, ValueRecord(per_rank=m))
+    for f, m in per_rank.items():  # v2: each rank wrote its own into its index
+        writer.add_encoded_value(f, ValueRecord(indexed=True) if writer.format_version >= 2 else ValueRecord(per_rank=m))
 
 
 def _digest_tensor(t) -> str:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from shardfmt.errors import CommitError, ShapeError, StateDictError
 from shardfmt.format import hashing
@@ -25,7 +26,7 @@ from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.manifest import FileRecord, Placement, ShardRecord
 from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_header, encode_origins
 from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
-from shardfmt.io import aligned
+from shardfmt.io import aligned as aligned_io
 from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.store import Storage
 from shardfmt.saving.messages import WrittenFile
@@ -114,8 +115,12 @@ def write_shard_file(
     sync: bool = True,
     workers: int = 1,
     part_size: int = DEFAULT_PART_SIZE,
+    aligned: bool = False,
 ) -> WrittenFile:
     """Write ``shards`` (in the given order) into ``directory/name``, hashing chunks as they are written.
+
+    ``aligned`` (format v2): chunks are cut from each tensor entry's start and the header is
+    not chunked (spec section 6); else (v1) chunks run from byte 0, header included.
 
     With ``workers > 1`` on a storage with positional writes, and every shard's memory
     contiguous on the CPU, the file is cut into ``part_size`` parts (whole hash chunks) that
@@ -127,6 +132,7 @@ def write_shard_file(
     if part_size % chunk_size or part_size <= 0:
         raise CommitError(f"part_size {part_size} must be a positive multiple of chunk_size {chunk_size}")
     header = _shard_header(name, rank, [s.spec() for s in shards])
+    grid = file_grid(header, chunk_size, aligned=aligned)
     path = storage.join(directory, name)
     w = storage.open_writer(path)
     try:
@@ -136,17 +142,27 @@ def write_shard_file(
         # MIN_THREADS at least: they mostly wait on the device, and keep its queue full
         direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
         if direct or (parts and workers > 1):
-            chunks, total = _write_parts(w, segments, header.file_size, chunk_size=chunk_size, part_size=part_size,
-                                         workers=max(workers, aligned.MIN_THREADS) if direct else workers, direct=direct)
+            chunks, total = _write_parts(w, segments, grid, part_size=part_size,
+                                         workers=max(workers, aligned_io.MIN_THREADS) if direct else workers,
+                                         direct=direct)
         else:
-            chunks, total = _write_stream(w, header.data, shards, chunk_size)
+            chunks, total = _write_stream(w, header.data, shards, grid)
     except BaseException:
         w.abort()
         raise
     w.close(sync=sync)
     if total != header.file_size:
         raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
-    return _written_file(name, rank, header, shards, chunks, chunk_size)
+    return _written_file(name, rank, header, shards, chunks, grid)
+
+
+def file_grid(header: EncodedHeader, chunk_size: int, *, aligned: bool) -> hashing.ChunkGrid:
+    """Where the chunks of the file ``header`` lays out lie: cut from each entry's start
+    (``aligned``, v2) or from byte 0 (v1)."""
+    if not aligned:
+        return hashing.ChunkGrid.regular(size=header.file_size, chunk_size=chunk_size)
+    return hashing.ChunkGrid.segmented(size=header.file_size, chunk_size=chunk_size, header_size=len(header.data),
+                                       entries=[(e.start, e.end) for e in header.entries])
 
 
 def _shard_header(name: str, rank: int, specs: Sequence[ShardSpec]) -> EncodedHeader:
@@ -166,15 +182,18 @@ def _shard_header(name: str, rank: int, specs: Sequence[ShardSpec]) -> EncodedHe
 
 
 def _written_file(name: str, rank: int, header: EncodedHeader, shards: Sequence, chunks: Sequence[str],
-                  chunk_size: int) -> WrittenFile:
+                  grid: hashing.ChunkGrid) -> WrittenFile:
     """The file record and shard records of a data file written from ``header``."""
     chunks = tuple(chunks)
-    record = FileRecord(rank=rank, size=header.file_size, header_size=len(header.data),
-                        header_digest=hashing.digest_bytes(header.data), chunks=chunks,
-                        digest=hashing.combine(chunks))
+    header_digest = hashing.digest_bytes(header.data)
+    v2 = grid.starts is not None
+    segments = tuple((e.start, e.end) for e in header.entries if e.end > e.start) if v2 else None
+    record = FileRecord(rank=rank, size=header.file_size, header_size=len(header.data), header_digest=header_digest,
+                        chunks=chunks, segments=segments,
+                        digest=hashing.v2_file_digest(header_digest, chunks) if v2 else hashing.combine(chunks))
     shard_records = []
     for entry, s in zip(header.entries, shards):
-        span = hashing.chunk_span(entry.start, entry.end, chunk_size)
+        span = grid.span(entry.start, entry.end)
         shard_records.append((s.fqn, ShardRecord(
             offsets=tuple(s.offsets), lengths=tuple(entry.shape), file=name, key=entry.key,
             byte_range=(entry.start, entry.end), digest=hashing.combine(chunks[span.start:span.stop]),
@@ -187,14 +206,22 @@ class _OrderedHasher:
     each large piece while the OS writes it (both drop the GIL: ~max(write, hash), not the sum).
     ``write`` returns only when its bytes are written and hashed, so the caller may reuse them."""
 
-    def __init__(self, w, chunk_size: int, *, hash_pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, w, grid: hashing.ChunkGrid, *, hash_pool: ThreadPoolExecutor | None = None) -> None:
         self._w = w
-        self.hasher = hashing.ChunkHasher(chunk_size)
+        self.hasher = grid.hasher(grid.chunked_from)
+        self._unhashed = grid.chunked_from  # v2: the header is covered by its own digest, not by chunks
+        self.total = 0
         self._pool = hash_pool
         self._own_pool = hash_pool is None
 
     def write(self, data) -> None:
         mv = memoryview(data).cast("B")
+        self.total += len(mv)
+        if self._unhashed:
+            skip = min(self._unhashed, len(mv))
+            self._w.write(mv[:skip])
+            self._unhashed -= skip
+            mv = mv[skip:]
         for pos in range(0, len(mv), DEFAULT_PIECE_BYTES):
             piece = mv[pos : pos + DEFAULT_PIECE_BYTES]
             if len(piece) < _OVERLAP_MIN:
@@ -211,7 +238,7 @@ class _OrderedHasher:
 
     def finish(self) -> tuple[list[str], int]:
         self.shutdown()
-        return self.hasher.finish(), self.hasher.total
+        return self.hasher.finish(), self.total
 
     def shutdown(self) -> None:
         if self._own_pool and self._pool is not None:
@@ -219,9 +246,9 @@ class _OrderedHasher:
             self._pool = None
 
 
-def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], chunk_size: int) -> tuple[list[str], int]:
+def _write_stream(w, header_bytes: bytes, shards: Sequence[ShardData], grid: hashing.ChunkGrid) -> tuple[list[str], int]:
     """Write the file in order, hashing as it goes."""
-    out = _OrderedHasher(w, chunk_size)
+    out = _OrderedHasher(w, grid)
     try:
         out.write(header_bytes)
         for s in shards:
@@ -250,12 +277,13 @@ class FileStream:
 
     def __init__(self, storage: Storage, path: str, header: EncodedHeader, *,
                  chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
-                 hash_pool: ThreadPoolExecutor | None = None) -> None:
+                 hash_pool: ThreadPoolExecutor | None = None, aligned: bool = False) -> None:
         self.path = path
         self.header = header
+        self.grid = file_grid(header, chunk_size, aligned=aligned)
         self._sync = sync
         self._w = storage.open_writer(path)
-        self._out = _OrderedHasher(self._w, chunk_size, hash_pool=hash_pool)
+        self._out = _OrderedHasher(self._w, self.grid, hash_pool=hash_pool)
         self._done = False
         try:
             self._out.write(header.data)
@@ -265,7 +293,7 @@ class FileStream:
 
     @property
     def written(self) -> int:
-        return self._out.hasher.total
+        return self._out.total
 
     def write(self, data) -> None:
         n = memoryview(data).nbytes
@@ -305,22 +333,21 @@ class ShardStream:
     def __init__(self, storage: Storage, directory: str, name: str, rank: int, specs: Sequence[ShardSpec], *,
                  chunk_size: int = hashing.DEFAULT_CHUNK_SIZE, sync: bool = True,
                  hash_pool: ThreadPoolExecutor | None = None,
-                 on_close: Callable[[WrittenFile], None] | None = None) -> None:
+                 on_close: Callable[[WrittenFile], None] | None = None, aligned: bool = False) -> None:
         self.name = name
         self.rank = rank
         self.specs = tuple(specs)
-        self._chunk_size = chunk_size
         self._on_close = on_close
         header = _shard_header(name, rank, self.specs)
         self._file = FileStream(storage, storage.join(directory, name), header, chunk_size=chunk_size,
-                                sync=sync, hash_pool=hash_pool)
+                                sync=sync, hash_pool=hash_pool, aligned=aligned)
 
     def write(self, data) -> None:
         self._file.write(data)
 
     def close(self) -> WrittenFile:
         chunks, _ = self._file.close()
-        written = _written_file(self.name, self.rank, self._file.header, self.specs, chunks, self._chunk_size)
+        written = _written_file(self.name, self.rank, self._file.header, self.specs, chunks, self._file.grid)
         if self._on_close is not None:
             self._on_close(written)
         return written
@@ -341,9 +368,11 @@ def _direct_segments(header, shards: Sequence[ShardData]) -> list[tuple[int, mem
     return segments
 
 
-def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], file_size: int, *, chunk_size: int,
+def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], grid: hashing.ChunkGrid, *,
                  part_size: int, workers: int, direct: bool = False) -> tuple[list[str], int]:
-    """Write and hash ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads.
+    """Write ``[k * part_size, (k + 1) * part_size)`` parts of the file on ``workers`` threads,
+    each thread then hashing the chunks that start in its part (from memory: every byte of the
+    file is in ``segments``, so a chunk may run on into the next part).
 
     ``direct``: ``w`` has an ``O_DIRECT`` handle and ``part_size`` is a multiple of
     ``DIRECT_ALIGN``. The parts are then written in aligned blocks: straight from the tensors'
@@ -351,23 +380,22 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
     thread (a memcpy at memory speed, instead of the kernel's copy into page-cache pages it must
     first allocate). Only the file's last block is padded; the file is then trimmed to its size.
     """
+    file_size = grid.size
     starts = [off for off, _, _ in segments]
-    bounce_size = aligned.bounce_size(file_size, cap=aligned.MAX_BLOCK)
+    bounce_size = aligned_io.bounce_size(file_size, cap=aligned_io.MAX_BLOCK)
 
     def part(lo: int) -> tuple[list[str], int]:
         hi = min(lo + part_size, file_size)
-        hasher = hashing.ChunkHasher(chunk_size)  # parts start on chunk boundaries: their chunks are the file's
         i = max(0, bisect.bisect_right(starts, lo) - 1)
         if direct:
-            with aligned.POOL.buffer(bounce_size) as bounce:
+            with aligned_io.POOL.buffer(bounce_size) as bounce:
                 pos = lo
                 while pos < hi:
                     end = min(pos + len(bounce.mv), hi)
                     i, block = _gather(segments, i, pos, end, bounce)
-                    hasher.update(block[:end - pos])
                     w.pwrite_block(pos, block, end - pos)
                     pos = end
-            return hasher.finish(), hasher.total
+            return _hash_chunks(segments, grid, lo, hi), hi - lo
         pos = lo
         while pos < hi:
             off, mv, ready = segments[i]
@@ -376,13 +404,11 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
                 raise CommitError(f"internal: no data for byte {pos} of the file")
             if ready is not None:
                 ready()
-            piece = mv[a:b]
-            w.pwrite(off + a, piece)
-            hasher.update(piece)
+            w.pwrite(off + a, mv[a:b])
             pos = off + b
             i += 1
         w.start_writeback(lo, hi - lo)
-        return hasher.finish(), hasher.total
+        return _hash_chunks(segments, grid, lo, hi), hi - lo
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-write") as pool:
         results = list(pool.map(part, range(0, file_size, part_size)))
@@ -391,8 +417,42 @@ def _write_parts(w, segments: list[tuple[int, memoryview, Callable | None]], fil
     return [d for digests, _ in results for d in digests], sum(n for _, n in results)
 
 
+def _hash_chunks(segments: list[tuple[int, memoryview, Callable | None]], grid: hashing.ChunkGrid,
+                 lo: int, hi: int) -> list[str]:
+    """The digests of the chunks of ``grid`` that start in ``[lo, hi)``, hashed from ``segments``."""
+    lo = max(lo, grid.chunked_from)
+    if lo >= hi:
+        return []
+    first = grid.span(lo, lo + 1).start
+    if grid.bounds(first)[0] < lo:
+        first += 1
+    starts = [off for off, _, _ in segments]
+    out = []
+    k = first
+    while k < grid.count:
+        a, b = grid.bounds(k)
+        if a >= hi:
+            break
+        h = xxhash.xxh3_128()
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        pos = a
+        while pos < b:
+            off, mv, ready = segments[i]
+            if ready is not None:
+                ready()
+            x, y = pos - off, min(b - off, len(mv))
+            if x < 0 or x >= y:
+                raise CommitError(f"internal: no data for byte {pos} of the file")
+            h.update(mv[x:y])
+            pos = off + y
+            i += 1
+        out.append(hashing.format_digest(h.digest()))
+        k += 1
+    return out
+
+
 def _gather(segments: list[tuple[int, memoryview, Callable | None]], i: int, pos: int, end: int,
-            bounce: aligned.Bounce) -> tuple[int, memoryview]:
+            bounce: aligned_io.Bounce) -> tuple[int, memoryview]:
     """The file's bytes ``[pos, end)`` as one aligned block, padded to a whole ``DIRECT_ALIGN``
     multiple, and the index of the segment holding byte ``end``. ``segments[i]`` holds ``pos``.
     A block inside one segment whose memory is aligned alike is that memory (no copy);
@@ -411,7 +471,7 @@ def _gather(segments: list[tuple[int, memoryview, Callable | None]], i: int, pos
             raise CommitError(f"internal: no data for byte {p} of the file")
         if ready is not None:
             ready()
-        aligned.copy(bounce.address + (p - pos), address(mv, a), b - a)
+        aligned_io.copy(bounce.address + (p - pos), address(mv, a), b - a)
         p = off + b
         if b == len(mv):
             i += 1

@@ -21,12 +21,17 @@ import torch
 from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CommitError, ShapeError, StateDictError
-from shardfmt.format import jsonvalue
+from shardfmt.format import hashing, jsonvalue
 from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.index import RankEntry, rank_table
 from shardfmt.format.manifest import (
+    INDEX_DIR,
     FileRecord,
+    ListedShard,
     Manifest,
+    Placed,
     Placement,
+    RankPart,
     ShardRecord,
     TensorRecord,
     Topology,
@@ -41,6 +46,8 @@ from shardfmt.layout.geometry import Box
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.saving.messages import WrittenFile
 from shardfmt.saving.options import SaveOptions
+from shardfmt.saving.rank_index import write_rank_index
+from shardfmt.saving.root import check_placed_boxes, listed_record, merge_records, placed_record
 from shardfmt.saving.shard_file import (
     ShardData,
     ShardSpec,
@@ -109,7 +116,7 @@ class CheckpointWriter:
         """No I/O: ``options`` (with any ``SaveOptions`` field given as a keyword, e.g.
         ``chunk_size=4096``) say how to write; ``stage()`` touches the destination."""
         opts = SaveOptions.merged(options, **knobs)
-        if not 4096 <= opts.chunk_size <= 1 << 30:
+        if opts.chunk_size is not None and not 4096 <= opts.chunk_size <= 1 << 30:
             raise CommitError(f"chunk_size {opts.chunk_size} is outside [4096, 2^30]")
         if storage is None:
             storage, path = get_storage(path, opts.storage_options)
@@ -121,7 +128,7 @@ class CheckpointWriter:
         self._writer_versions = dict(seams.writer_versions) if seams.writer_versions is not None \
             else default_writer_versions()
         self._on_step = seams.on_step
-        self.chunk_size = opts.chunk_size
+        self.chunk_size = opts.chunk_size or hashing.DEFAULT_CHUNK_SIZE
         self._sync = opts.sync
         self.write_workers = opts.write_workers or default_write_workers()
         self.part_size = opts.part_size
@@ -135,6 +142,12 @@ class CheckpointWriter:
         self._views: dict[str, tuple[str, tuple[int, ...], ViewRecord]] = {}
         self._values: dict[str, ValueRecord] = {}
         self._streaming: set[str] = set()
+        self.format_version = opts.format_version
+        self._placed: dict[str, tuple[str, tuple[int, ...], Placed]] = {}  # v2: fqn -> (dtype, shape, placed)
+        self._listed: dict[str, TensorRecord] = {}  # v2: records whose boxes other processes wrote
+        self._rank_entries: dict[int, RankEntry] = {}  # v2: indexes other processes wrote
+        self._external_storages: set[str] = set()  # v2: placed or listed storage buffers
+        self._external_files: set[str] = set()  # v2: data files other processes wrote
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -175,7 +188,8 @@ class CheckpointWriter:
         try:
             written = write_shard_file(self.storage, self.stage(), name, rank, ordered,
                                        chunk_size=self.chunk_size, sync=self._sync,
-                                       workers=self.write_workers, part_size=self.part_size)
+                                       workers=self.write_workers, part_size=self.part_size,
+                                       aligned=self.format_version >= 2)
         except BaseException:
             self.abort()
             raise
@@ -201,7 +215,7 @@ class CheckpointWriter:
             self._record(written, storage_names)
 
         return ShardStream(self.storage, self.stage(), name, rank, ordered, chunk_size=self.chunk_size,
-                           sync=self._sync, hash_pool=hash_pool, on_close=on_close)
+                           sync=self._sync, hash_pool=hash_pool, on_close=on_close, aligned=self.format_version >= 2)
 
     def _register(self, specs: Sequence[ShardSpec], storage_names: set[str]) -> None:
         for s in specs:
@@ -234,6 +248,26 @@ class CheckpointWriter:
                 t = table[fqn] = _TensorMeta(dtype, tuple(shape), placement)
             t.shards.append(shard)
 
+    def place(self, fqn: str, dtype: str, shape: tuple[int, ...], placed: Placed, *, storage: bool = False) -> None:
+        """v2: record ``fqn`` (a storage buffer with ``storage``) by its placement: its
+        writers wrote the boxes it derives."""
+        self._placed[fqn] = (dtype, tuple(shape), placed)
+        if storage:
+            self._external_storages.add(fqn)
+
+    def add_listed(self, fqn: str, dtype: str, shape: tuple[int, ...], placement: Placement | None,
+                   shards: Sequence[ListedShard], *, storage: bool = False) -> None:
+        """v2: record ``fqn`` by boxes other processes wrote, each with its writer rank."""
+        self._listed[fqn] = listed_record(fqn, dtype, shape, placement, shards)
+        if storage:
+            self._external_storages.add(fqn)
+
+    def add_rank_entry(self, rank: int, entry: RankEntry, *, files: Sequence[str] = ()) -> None:
+        """v2: record the index another process wrote for ``rank``, and its data ``files``
+        (which the commit requires still there)."""
+        self._rank_entries[rank] = entry
+        self._external_files.update(files)
+
     # -- 3) other records
     def add_alias(self, fqn: str, target: str) -> None:
         self._aliases[fqn] = target
@@ -254,6 +288,8 @@ class CheckpointWriter:
     # -- 4) commit
     def build_manifest(self, *, step: int | None = None, metadata: Any = None,
                        topology: Topology | None = None) -> Manifest:
+        if self.format_version >= 2:
+            return self._build_root(step=step, metadata=metadata, topology=topology)
         tensors: dict[str, TensorRecord] = {}
         storages: dict[str, TensorRecord] = {}
         for table, out in ((self._tensors, tensors), (self._storages, storages)):
@@ -264,6 +300,27 @@ class CheckpointWriter:
                 if problems:
                     raise CommitError(f"tensor {fqn!r}: shards do not tile its shape: {problems[0]}")
                 out[fqn] = TensorRecord(dtype=meta.dtype, shape=meta.shape, placement=meta.placement, shards=shards)
+        tensors = self._links(tensors)
+        return Manifest(
+            save_id=self.save_id,
+            created_at=format_time(self._clock()),
+            step=step,
+            writer=self._writer_versions,
+            chunk_size=self.chunk_size,
+            metadata=jsonvalue.encode(metadata, where="metadata"),
+            topology=self._topology(topology),
+            files=dict(sorted(self._files.items())),
+            tensors=tensors,
+            storages=storages,
+            values=dict(sorted(self._values.items())),
+        )
+
+    def _topology(self, topology: Topology | None) -> Topology:
+        ranks = [f.rank for f in self._files.values()] + list(self._rank_entries)
+        return topology or Topology(world_size=max(ranks, default=0) + 1)
+
+    def _links(self, tensors: dict[str, TensorRecord]) -> dict[str, TensorRecord]:
+        """Aliases and views added to the stored ``tensors`` (sorted by name)."""
         for fqn, target in sorted(self._aliases.items()):
             if fqn in tensors:
                 raise StateDictError(f"{fqn}: both stored and aliased")
@@ -273,20 +330,57 @@ class CheckpointWriter:
             tensors[fqn] = TensorRecord(dtype=t.dtype, shape=t.shape, alias_of=target)
         for fqn, (dtype, shape, view) in sorted(self._views.items()):
             tensors[fqn] = TensorRecord(dtype=dtype, shape=shape, view=view)
-        tensors = dict(sorted(tensors.items()))
+        return dict(sorted(tensors.items()))
+
+    def _build_root(self, *, step: int | None, metadata: Any, topology: Topology | None) -> Manifest:
+        """v2: the root manifest, once every rank index is written and the rank table staged."""
+        topology = self._topology(topology)
+        tables: tuple[dict[str, TensorRecord], dict[str, TensorRecord]] = ({}, {})
+        for (table, out) in zip((self._tensors, self._storages), tables):
+            for fqn in sorted(table):
+                meta = table[fqn]
+                shards = [ListedShard(offsets=s.offsets, lengths=s.lengths, rank=self._files[s.file].rank)
+                          for s in meta.shards]
+                if fqn in self._placed:  # written here and placed: the boxes must be the writer rule's
+                    check_placed_boxes(fqn, (meta.dtype, meta.shape), self._placed[fqn], topology, shards)
+                    continue
+                out[fqn] = listed_record(fqn, meta.dtype, meta.shape, meta.placement, shards)
+        placed = {f: placed_record(f, d, sh, p) for f, (d, sh, p) in self._placed.items()}
+        external = {**self._listed, **placed}
+        tensors = merge_records(tables[0], {f: r for f, r in external.items() if f not in self._external_storages})
+        storages = merge_records(tables[1], {f: r for f, r in external.items() if f in self._external_storages})
+        values = {f: (ValueRecord(indexed=True) if v.per_rank is not None else v)
+                  for f, v in sorted(self._values.items())}
         return Manifest(
-            save_id=self.save_id,
-            created_at=format_time(self._clock()),
-            step=step,
-            writer=self._writer_versions,
-            chunk_size=self.chunk_size,
-            metadata=jsonvalue.encode(metadata, where="metadata"),
-            topology=topology or Topology(world_size=max([f.rank for f in self._files.values()], default=0) + 1),
-            files=dict(sorted(self._files.items())),
-            tensors=tensors,
-            storages=storages,
-            values=dict(sorted(self._values.items())),
+            format_version=2, save_id=self.save_id, created_at=format_time(self._clock()), step=step,
+            writer=self._writer_versions, chunk_size=self.chunk_size,
+            metadata=jsonvalue.encode(metadata, where="metadata"), topology=topology,
+            tensors=self._links(tensors), storages=storages, values=values, ranks=self._stage_rank_table(topology),
         )
+
+    def _stage_rank_table(self, topology: Topology) -> tuple[RankPart, ...]:
+        """Write this process's rank indexes, then the rank table's parts; return the parts."""
+        per_rank: dict[int, dict[str, Any]] = {}
+        for fqn, v in self._values.items():
+            for r, x in (v.per_rank or {}).items():
+                per_rank.setdefault(r, {})[fqn] = x
+        files: dict[int, dict[str, FileRecord]] = {}
+        for name, f in self._files.items():
+            files.setdefault(f.rank, {})[name] = f
+        for r in sorted(files.keys() | per_rank.keys()):
+            if r in self._rank_entries:
+                raise CommitError(f"rank {r}: its index was written by another process and by this one")
+            self._rank_entries[r] = write_rank_index(self.storage, self.staging, rank=r, save_id=self.save_id,
+                                                     name_tag=self.name_tag, files=files.get(r, {}),
+                                                     values=per_rank.get(r, {}))
+        bad = [r for r in self._rank_entries if r >= topology.world_size]
+        if bad:
+            raise CommitError(f"rank(s) {bad[:3]} wrote an index but the world size is {topology.world_size}")
+        parts = rank_table(self.save_id, topology.world_size, self._rank_entries, name_tag=self.name_tag)
+        self.storage.makedirs(self.storage.join(self.staging, INDEX_DIR))
+        for part, raw in parts:
+            self.storage.write_bytes(self.storage.join(self.staging, part.name), raw, sync=self._sync)
+        return tuple(p for p, _ in parts)
 
     def commit(self, *, step: int | None = None, metadata: Any = None,
                topology: Topology | None = None) -> Manifest:
@@ -314,13 +408,21 @@ class CheckpointWriter:
         try:
             manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
             _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
-                            on_step=self._steps)
+                            on_step=self._steps, required=self._required(manifest))
         except BaseException:
             self.abort()
             raise
         self._done = True
         self._lease.stop(release=True)
         return manifest
+
+    def _required(self, manifest: Manifest) -> list[str] | None:
+        """v2: what the commit requires still staged: every data file, rank index and part
+        (v1: None, the manifest's files)."""
+        if manifest.format_version < 2:
+            return None
+        return sorted({*self._files, *self._external_files, *(e.name for e in self._rank_entries.values()),
+                       *(p.name for p in manifest.ranks)})
 
     def _steps(self, name: str) -> None:
         """The commit protocol's step hook: the staged-result check, then the caller's hook."""

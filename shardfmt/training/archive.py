@@ -23,9 +23,10 @@ from collections.abc import Callable
 from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing
-from shardfmt.format.manifest import DATA_DIR, Manifest
+from shardfmt.format.manifest import DATA_DIR, INDEX_DIR, Manifest
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
+from shardfmt.loading.resolve import rank_entries, read_vouched
 from shardfmt.validation import check_files
 
 COPY_PIECE = 16 << 20
@@ -54,6 +55,8 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         for name in sorted(m.files):
             _copy_file(ckpt.storage, ckpt.path, dst_storage, staging, name, m, buf)
         del buf
+        if m.format_version >= 2:
+            _copy_indexes(ckpt.storage, ckpt.path, dst_storage, staging, m)
         if verify:
             problems = check_files(dst_storage, staging, m, deep=True)
             if problems:
@@ -74,7 +77,8 @@ def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: s
     frec = m.files[name]
     reader = src.open_reader(src.join(src_root, name), size=frec.size, within=src_root)
     writer = dst.open_writer(dst.join(dst_root, name))
-    hasher = hashing.ChunkHasher(m.chunk_size)
+    grid = frec.grid(m.chunk_size)
+    hasher = grid.hasher(grid.chunked_from)  # v2: the header is checked by its digest, not chunked
     view = memoryview(buf)
     try:
         pos = 0
@@ -82,7 +86,11 @@ def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: s
             n = min(len(buf), frec.size - pos)
             reader.readinto(pos, [view[:n]])
             first = len(hasher.completed)
-            hasher.update(view[:n])
+            skip = min(max(grid.chunked_from - pos, 0), n)
+            if skip and hashing.digest_bytes(view[:grid.chunked_from]) != frec.header_digest:
+                raise IntegrityError(f"{src.url(src.join(src_root, name))}: header does not match its "
+                                     "digest; not archiving a corrupt checkpoint")
+            hasher.update(view[skip:n])
             done = hasher.completed
             for k in range(first, len(done)):
                 if done[k] != frec.chunks[k]:
@@ -98,6 +106,16 @@ def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: s
     finally:
         reader.close()
     writer.close()
+
+
+def _copy_indexes(src: Storage, src_root: str, dst: Storage, dst_root: str, m: Manifest) -> None:
+    """v2: copy the rank table's parts and every rank index, each checked against its digest."""
+    dst.makedirs(dst.join(dst_root, INDEX_DIR))
+    ranks = [r for p in m.ranks for r in range(p.first, p.end)]
+    docs = [(p.name, p.size, p.digest) for p in m.ranks]
+    docs += [(e.name, e.size, e.digest) for _, e in sorted(rank_entries(src, src_root, m, ranks, required=False).items())]
+    for name, size, digest in docs:
+        dst.write_bytes(dst.join(dst_root, name), read_vouched(src, src_root, name, size, digest))
 
 
 def copy_with_retries(copy: Callable[[], Manifest], *, attempts: int = 4, backoff: float = 1.0,

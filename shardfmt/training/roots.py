@@ -25,6 +25,7 @@ from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NA
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
+from shardfmt.loading.resolve import file_sizes
 from shardfmt.training.retention import lease_expired
 
 
@@ -56,7 +57,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     if markers_only:
         return "committed", None, None, ""
     try:
-        ckpt = open_checkpoint(path, storage=storage)
+        ckpt = open_checkpoint(path, storage=storage, whole=False)
+        sizes = file_sizes(storage, ckpt.path, ckpt.manifest)
     except StorageError:
         raise  # a failed read (network, throttling, permission) says nothing about the checkpoint
     except FormatVersionError as e:
@@ -64,16 +66,16 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     except ShardfmtError as e:
         return "corrupt", None, None, str(e)
     m = ckpt.manifest
-    for fname, f in m.files.items():
+    for fname, want in sizes.items():
         try:
             size = storage.size(storage.join(path, fname), within=path)
         except CheckpointNotFoundError:
             return "corrupt", m.step, None, f"{fname} is missing"
         except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
             return "corrupt", m.step, None, str(e)
-        if size != f.size:
-            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {f.size}"
-    return "committed", m.step, sum(f.size for f in m.files.values()), ""
+        if size != want:
+            return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {want}"
+    return "committed", m.step, sum(sizes.values()), ""
 
 
 def unsupported_reason(e: FormatVersionError) -> str:

@@ -34,8 +34,10 @@ class RankResult:
 
 
 def launch(job: str, world: int, args: dict, *, out_dir: str, timeout: float = 180.0,
-           env: dict | None = None, wait_for: list[int] | None = None) -> list[RankResult]:
-    """Run ``job`` on ``world`` ranks; wait for ``wait_for`` ranks (default all), kill the rest."""
+           env: dict | None = None, wait_for: list[int] | None = None,
+           module: str = "tests.distributed.workers") -> list[RankResult]:
+    """Run ``job`` on ``world`` ranks; wait for ``wait_for`` ranks (default all), kill the rest.
+    ``module`` holds the job (``workers`` or a module registering more jobs with ``workers.job``)."""
     port = free_port()
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -46,7 +48,7 @@ def launch(job: str, world: int, args: dict, *, out_dir: str, timeout: float = 1
         err = open(os.path.join(out_dir, f"rank_{r}.stderr"), "w+")
         errs.append(err)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.distributed.workers", job, str(r), str(world), str(port),
+            [sys.executable, "-m", module, job, str(r), str(world), str(port),
              json.dumps(dict(args, out_dir=out_dir))],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
     deadline = time.monotonic() + timeout

@@ -234,7 +234,7 @@ def test_a_newer_format_version_as_the_newest_checkpoint_stops_every_rank(tmp_pa
     as_next_format_version(os.path.join(root, "step_000000002"), "manifest")
     results = launch("ckpt_restore_rows", 2, {"root": root}, out_dir=str(tmp_path / "r"), timeout=120)
     errors = [(r.returncode, (r.result or {}).get("error", r.stderr[-300:])) for r in results]
-    assert all(rc == 1 and e.startswith("FormatVersionError: ") and "step_000000002 (step 2): format version 2" in e
+    assert all(rc == 1 and e.startswith("FormatVersionError: ") and "step_000000002 (step 2): format version 3" in e
                for rc, e in errors), errors
     assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
 

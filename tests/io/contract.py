@@ -34,6 +34,15 @@ from shardfmt.loading.reader import open_checkpoint
 PAYLOAD = bytes(range(256)) * 40  # 10 KiB, every byte value
 
 
+def _copy_save_files(st, src: str, dst: str) -> None:
+    """Copy what a save writes below the checkpoint (data files; v2's rank indexes and rank table)."""
+    for fname in st.list_tree(src):
+        if fname not in ("COMMITTED", "manifest.json", "LEASE"):
+            if "/" in fname:
+                st.makedirs(st.join(dst, fname.rsplit("/", 1)[0]))
+            st.write_bytes(st.join(dst, fname), st.read_bytes(st.join(src, fname), limit=1 << 30))
+
+
 class ByteStoreContract:
     """What every ``ByteStore`` does, whatever it stores bytes on."""
 
@@ -186,8 +195,7 @@ class CommitContract:
         m = open_checkpoint(src, storage=st).manifest
         strategy, path = commit_strategy(st), st.join(base, name)
         staging = strategy.prepare(path, m.save_id, overwrite=False)
-        for fname, frec in m.files.items():
-            st.write_bytes(st.join(staging, fname), st.read_bytes(st.join(src, fname), limit=frec.size))
+        _copy_save_files(st, src, staging)
         return strategy, path, staging, m
 
     def _is_checkpoint(self, st, path) -> bool:
@@ -241,8 +249,7 @@ class CommitContract:
             assert self._is_checkpoint(st, path)
             return
         again = strategy.prepare(path, "f" * 16, overwrite=True)
-        for fname, frec in m.files.items():
-            st.write_bytes(st.join(again, fname), st.read_bytes(st.join(path, fname), limit=frec.size))
+        _copy_save_files(st, path, again)
         strategy.publish(path, again, m, overwrite=True)
         assert self._is_checkpoint(st, path) and st.list_tree(again) == []
 

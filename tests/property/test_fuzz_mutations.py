@@ -94,7 +94,7 @@ def base(tmp_path_factory) -> dict:
     """Write the checkpoint every example mutates; return its path, manifest and bytes."""
     path = str(tmp_path_factory.mktemp("fuzz") / "base")
     t = ORIGINAL
-    with CheckpointWriter(path, chunk_size=CHUNK_SIZE) as w:
+    with CheckpointWriter(path, chunk_size=CHUNK_SIZE, format_version=1) as w:
         w.write_rank(0, [ShardData(fqn="w", data=t["w"][:32], global_shape=(64, 48), offsets=(0, 0)),
                          ShardData(fqn="b", data=t["b"], global_shape=(40, 30), offsets=(0, 0)),
                          ShardData(fqn="i", data=t["i"], global_shape=(100,), offsets=(0,))])
@@ -275,8 +275,8 @@ class _PeakRss:
 
 LAYERS = {  # what a mutant got past the digests to reach: (module, function) instrumented
     "field parser": [("shardfmt.format.parse", "_manifest_fields")],
-    "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation", "decode_header")],
-    "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation", "tiling_problems")],
+    "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation.v1", "decode_header")],
+    "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation.v1", "tiling_problems")],
     "typed-JSON decoding": [("shardfmt.format.jsonvalue", "decode")],
 }
 _REACHED: set[str] | None = None  # the layers the current mutant's load reached, while one loads

@@ -166,7 +166,7 @@ def write_checkpoint(path: str, case: dict) -> None:
                 piece = piece.clone()
             per_rank.setdefault(rank, []).append(
                 ShardData(fqn=t["fqn"], data=piece, global_shape=t["shape"], offsets=box.offsets))
-    with CheckpointWriter(path, chunk_size=CHUNK_SIZE) as w:
+    with CheckpointWriter(path, chunk_size=CHUNK_SIZE, format_version=1) as w:
         for rank in sorted(per_rank):
             w.write_rank(rank, per_rank[rank])
         w.commit(step=1)

@@ -1,0 +1,7 @@
+"""``python -m benchmarks.scale``: the metadata-at-scale simulation (see ``cli``)."""
+
+import sys
+
+from benchmarks.scale.cli import main
+
+sys.exit(main())
