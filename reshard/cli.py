@@ -1,6 +1,7 @@
 """The ``reshard`` command: ``plan`` shows which saved bytes feed a rank of a new topology;
 ``convert`` rewrites a checkpoint for a new mesh; ``export-hf`` / ``import-hf`` move between
-shardfmt and the Hugging Face safetensors layout; ``import-dcp`` reads a DCP checkpoint.
+shardfmt and the Hugging Face safetensors layout; ``import-dcp`` reads a DCP checkpoint,
+``import-deepspeed`` a DeepSpeed ZeRO checkpoint.
 
 Exit codes: 0 success, 1 the checkpoint or plan is unusable, 2 bad arguments (a destination
 that is, holds or lies inside the source included), an unreachable path, a path that names no
@@ -29,6 +30,8 @@ from reshard._shardfmt import (
 from reshard.convert import convert
 from reshard.dcp.importer import TRUST_PICKLE_HELP, import_dcp
 from reshard.dcp.plan import DEFAULT_MEMORY_BUDGET
+from reshard.deepspeed.importer import DEFAULT_MODEL_PREFIX, import_deepspeed
+from reshard.deepspeed.importer import TRUST_PICKLE_HELP as DS_TRUST_PICKLE_HELP
 from reshard.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
 from reshard.hf_import import import_hf
 from reshard.parse import human, parse_mesh
@@ -79,6 +82,22 @@ def cmd_import_dcp(args) -> int:
     shards = sum(len(t.shards) for t in m.tensors.values() if t.shards)
     print(f"imported {args.src} -> {args.dst}: {len(m.tensors)} tensors ({shards} shards) in {len(m.files)} "
           f"files from {m.topology.world_size} ranks, {len(m.values)} values, {rep.bytes_read} bytes read")
+    return 0
+
+
+def cmd_import_deepspeed(args) -> int:
+    if not args.trust_pickle:
+        print(f"reshard: error: import-deepspeed needs --trust-pickle. {DS_TRUST_PICKLE_HELP}", file=sys.stderr)
+        return 2
+    rep = import_deepspeed(args.src, args.dst, trust_pickle=True, tag=args.tag, model_prefix=args.model_prefix,
+                           storage_options=_opts(args), memory_budget=args.memory_budget, step=args.step,
+                           overwrite=args.overwrite, format_version=args.format_version, verify=not args.no_verify)
+    for name, why in rep.left_out:
+        print(f"reshard: note: {name} left out: {why}", file=sys.stderr)
+    m = rep.manifest
+    print(f"imported {args.src} (tag {rep.tag}, ZeRO-{rep.zero_stage}, {rep.world_size} ranks, DeepSpeed "
+          f"{rep.ds_version}) -> {args.dst}: {rep.params} trainable parameters, {len(m.tensors)} tensors, "
+          f"{len(m.values)} values, {rep.bytes_read} bytes read")
     return 0
 
 
@@ -176,7 +195,7 @@ def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard", description="Move shardfmt checkpoints between topologies.")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_plan, _add_import_dcp, _add_convert, _add_export_hf, _add_import_hf):
+    for add in (_add_plan, _add_import_dcp, _add_import_deepspeed, _add_convert, _add_export_hf, _add_import_hf):
         add(sub)
     return p
 
@@ -219,6 +238,36 @@ def _add_import_dcp(sub) -> None:
     di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
     di.set_defaults(func=cmd_import_dcp)
+
+
+def _add_import_deepspeed(sub) -> None:
+    ds = sub.add_parser(
+        "import-deepspeed", help="import a DeepSpeed ZeRO-1/2/3 checkpoint (full fp32 params + Adam state)",
+        description="Import a DeepSpeed ZeRO checkpoint (the save directory holding 'latest') as a shardfmt "
+                    "checkpoint: every parameter as the full fp32 tensor zero_to_fp32 rebuilds (under "
+                    "--model-prefix), its Adam state as optim.state.<name>.{exp_avg,exp_avg_sq,step}, the "
+                    "hyperparameters as optim.param_groups. DeepSpeed's .pt files are Python pickles, which can run "
+                    "code when loaded: they are read only with --trust-pickle, through a restricted unpickler that "
+                    "refuses every global except torch's tensor rebuilders, storages and dtypes and DeepSpeed's "
+                    "ZeroStageEnum, LossScaler and fragment_address (as inert stand-ins).")
+    ds.add_argument("src", help="DeepSpeed save directory (holding 'latest' and the tag directory)")
+    ds.add_argument("dst", help="shardfmt checkpoint to create")
+    ds.add_argument("--trust-pickle", action="store_true",
+                    help="required: confirm you trust SRC, whose .pt files are pickles (read with an allowlist)")
+    ds.add_argument("--tag", help="the tag directory to import (default: the content of SRC/latest)")
+    ds.add_argument("--model-prefix", default=DEFAULT_MODEL_PREFIX, metavar="P",
+                    help=f"prefix of parameter and buffer names (default {DEFAULT_MODEL_PREFIX!r}, as "
+                         "shardfmt.get_state_dict names a model; '' for zero_to_fp32's bare names)")
+    ds.add_argument("--format-version", type=int, choices=(1, 2), help="shardfmt format version to write "
+                                                                      "(default: the writer's)")
+    ds.add_argument("--step", type=_int_at_least(0, 1 << 62),
+                    help="training step to record in the manifest (default: DeepSpeed's global_steps)")
+    ds.add_argument("--memory-budget", type=int, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
+                    help="tensor bytes held at once (a larger tensor is held alone; default 1 GiB)")
+    ds.add_argument("--no-verify", action="store_true", help="skip checking the zip CRC-32 of every storage")
+    ds.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    ds.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+    ds.set_defaults(func=cmd_import_deepspeed)
 
 
 def _add_convert(sub) -> None:

@@ -13,8 +13,12 @@ class DcpImportError(ShardfmtError):
     """A torch.distributed.checkpoint directory cannot be imported (missing, truncated or unsupported)."""
 
 
-class UnsafePickleError(DcpImportError):
-    """A pickle asks for a global outside the allowlist: refused before anything of it runs."""
+class DeepSpeedImportError(ShardfmtError):
+    """A DeepSpeed ZeRO checkpoint directory cannot be imported (missing, truncated, inconsistent or unsupported)."""
+
+
+class UnsafePickleError(DcpImportError, DeepSpeedImportError):
+    """A pickle asks for a global outside the allowlist: refused before anything of it runs (either importer)."""
 
 
 class BudgetError(ShardfmtError, ValueError):
@@ -35,4 +39,4 @@ class ConfigError(HFError, ValueError):
     JSON object: a bad argument."""
 
 
-__all__ = ["BudgetError", "ConfigError", "DcpImportError", "HFError", "OverlapError", "UnsafePickleError"]
+__all__ = ["BudgetError", "ConfigError", "DcpImportError", "DeepSpeedImportError", "HFError", "OverlapError", "UnsafePickleError"]

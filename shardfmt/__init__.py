@@ -9,7 +9,7 @@ backends) are importable from their modules and are not part of the stable surfa
 from shardfmt import errors
 from shardfmt._version import __version__
 from shardfmt.api import LoadReport, load, save
-from shardfmt.layout.state import IfSaved, PerRank, ShardedTensor
+from shardfmt.layout.state import FlatShard, IfSaved, PerRank, ShardedTensor, flat_group
 from shardfmt.loading.reader import read_manifest
 from shardfmt.saving.async_save import AsyncSave, Stager, async_save
 from shardfmt.training.checkpointer import Checkpointer
@@ -31,6 +31,8 @@ __all__ = [
     "validate",
     # what a state dict may hold
     "ShardedTensor",
+    "FlatShard",
+    "flat_group",
     "PerRank",
     "IfSaved",
     "get_state_dict",

@@ -313,17 +313,17 @@ def emb_rows_on_rank1(first_row: int) -> Callable[[str], None]:
 
 
 def stale_header_digest(path: str) -> None:
-    """A padding byte of rank 1's header becomes a tab (still JSON whitespace); everything is
+    """A padding byte of rank 0's header becomes a tab (still JSON whitespace); everything is
     re-signed but the index's header_digest."""
-    old = file_of(read_json(path, index(1)), 1)["header_digest"]
-    with open(os.path.join(path, data(1)), "r+b") as f:
+    old = file_of(read_json(path, index(0)), 0)["header_digest"]
+    with open(os.path.join(path, data(0)), "r+b") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         f.seek(8 + n - 1)
         assert f.read(1) == b" "
         f.seek(8 + n - 1)
         f.write(b"\t")
-    sign_file(path, 1)
-    rank_index(1, lambda o: file_of(o, 1).update(header_digest=old))(path)
+    sign_file(path, 0)
+    rank_index(0, lambda o: file_of(o, 0).update(header_digest=old))(path)
 
 
 def short_header_size(path: str) -> None:
@@ -546,8 +546,8 @@ CASES = [
          defect="rank 1's index gives its file header_size 4 (below 8; re-signed)",
          make=rank_index(1, lambda o: file_of(o, 1).__setitem__("header_size", 4))),
     Case(name="item11-header-size-past-file", section="11", item=11, fails_at=LOAD, error="ManifestError", problem="rank_index",
-         defect="rank 3's index gives its 636-byte file header_size 640 (re-signed)",
-         make=rank_index(3, lambda o: file_of(o, 3).__setitem__("header_size", 640))),
+         defect="rank 3's index gives its 932-byte file header_size 936 (re-signed)",
+         make=rank_index(3, lambda o: file_of(o, 3).__setitem__("header_size", 936))),
     # 12: kinds, aliases, views, storages, names
     Case(name="item12-alias-target-missing", section="11", item=12, fails_at=OPEN, error="ManifestError", problem="manifest_field",
          defect="model.head is an alias of model.x, which does not exist",
@@ -583,6 +583,18 @@ CASES = [
          make=tensor(WQ)(placed(placements=[["shard", 0]]))),
     Case(name="item13-shard-of-0d", section="11", item=13, fails_at=OPEN, error="ManifestError", problem="manifest_field",
          defect="the 0-d model.scale is placed with [\"shard\", 0] over tp", make=tensor("model.scale")(placed(placements=[["shard", 0]]))),
+    Case(name="item13-flat-not-last", section="11", item=13, fails_at=OPEN, error="ManifestError", problem="manifest_field",
+         defect='optim.w2 is placed with ["flat", 2, 6] over dp before ["shard", 1] over tp',
+         make=tensor("optim.w2")(placed(mesh_dims=["dp", "tp"], placements=[["flat", 2, 6], ["shard", 1]]))),
+    Case(name="item13-flat-after-strided", section="11", item=13, fails_at=OPEN, error="ManifestError",
+         problem="manifest_field", defect='optim.w2 is placed with ["flat", 0, 9] after a strided_shard',
+         make=tensor("optim.w2")(placed(placements=[["strided_shard", 1, 2], ["flat", 0, 9]]))),
+    Case(name="item13-flat-short", section="11", item=13, fails_at=OPEN, error="ManifestError", problem="manifest_field",
+         defect="optim.avg's 2 flat pieces of 2 elements from offset 0 do not reach its 5th element",
+         make=tensor("optim.avg")(placed(placements=[["flat", 0, 2]]))),
+    Case(name="item13-flat-of-0d", section="11", item=13, fails_at=OPEN, error="ManifestError", problem="manifest_field",
+         defect='the 0-d model.scale is placed with ["flat", 0, 1] over tp',
+         make=tensor("model.scale")(placed(placements=[["flat", 0, 1]]))),
     Case(name="item13-value-record", section="11", item=13, fails_at=OPEN, error="ManifestError", problem="manifest_field",
          defect="the value record of rng has both value and per_rank",
          make=root(lambda o: o["values"]["rng"].__setitem__("value", 1))),
@@ -602,10 +614,10 @@ CASES = [
          defect="a byte of model.emb's second chunk in data/rank_00000.safetensors is flipped",
          make=flip(data(0), 936 + 40 + 4096 + 100)),
     Case(name="item15-header-digest", section="11", item=15, fails_at=LOAD, error="IntegrityError", problem="header",
-         defect="a padding byte of rank 1's header is a tab; every digest re-signed but header_digest",
+         defect="a padding byte of rank 0's header is a tab; every digest re-signed but header_digest",
          make=stale_header_digest),
     Case(name="item15-header-size-vs-prefix", section="11", item=15, fails_at=LOAD, error="HeaderError", problem="header",
-         defect="rank 1's index says header_size 672, its length prefix 8 + 672 (header_digest re-signed for 672 bytes)",
+         defect="rank 1's index says header_size 952, its length prefix 8 + 952 (header_digest re-signed for 672 bytes)",
          make=short_header_size),
     Case(name="item16-header-not-json", section="11", item=16, fails_at=LOAD, error="HeaderError", problem="header",
          defect="rank 1's header starts with [ (re-signed)", make=corrupt_header_json),

@@ -9,8 +9,12 @@ kinds of stored tensor (spec/FORMAT.md section 4.3):
   one box per rank), ``model.layers.0.w1`` (strided_shard over dp alone: two boxes on each
   writer, keys ``fqn@offsets``; tp is its replica dim, member 0 writes), ``model.layers.0.wo``
   (replicated over dp, columns over tp; writer 1: the dp=1 ranks write), ``model.norm``
-  (replicated everywhere: writer 5 is member 5 mod 4 = rank 1) and the 0-d ``model.scale``
-  (writer 3: rank 3);
+  (replicated everywhere: writer 5 is member 5 mod 4 = rank 1), the 0-d ``model.scale``
+  (writer 3: rank 3), and two flat ones (ZeRO): ``optim.avg`` (``flat`` over dp, offset 0,
+  pieces of 3: ZeRO-3's chunks; tp is its replica dim, writer 1: the tp=1 ranks write) and
+  ``optim.w2`` (columns over tp, then each rank's 3 x 3 or 3 x 2 box flat over dp from offset 2
+  in pieces of 6, as a ZeRO-1/2 group window: a run of whole rows is one box, a run that starts
+  or ends inside a row two);
 - listed boxes: ``model.emb`` (rows [0, 18) on rank 0, whose 4608 bytes are two 4096-byte
   chunks, and [18, 24) on rank 1), the 0-d ``optim.step`` and the storage
   ``.storage.model.rope.cos`` that the views ``model.rope.cos`` and ``model.rope.sin`` read;
@@ -58,6 +62,8 @@ def tensors() -> dict[str, torch.Tensor]:
         "model.norm": torch.linspace(-1, 1, 5).to(torch.bfloat16),
         "model.scale": torch.tensor(0.5),
         "optim.step": torch.tensor(7, dtype=torch.int64),
+        "optim.w2": torch.arange(15, dtype=torch.float32).reshape(3, 5) + 100,
+        "optim.avg": torch.arange(5, dtype=torch.float32) - 2,
         ".storage.model.rope.cos": torch.arange(10, dtype=torch.float32) / 10,
     }
 
@@ -73,6 +79,8 @@ PLACED = {
     "model.layers.0.wo": Placed(placement=placement(("dp", "tp"), ("replicate",), ("shard", 1)), writer=1),
     "model.norm": Placed(placement=placement(()), writer=5),
     "model.scale": Placed(placement=placement(("tp",), ("replicate",)), writer=3),
+    "optim.w2": Placed(placement=placement(("tp", "dp"), ("shard", 1), ("flat", 2, 6)), writer=0),
+    "optim.avg": Placed(placement=placement(("dp",), ("flat", 0, 3)), writer=1),
 }
 # listed boxes: fqn -> [(rank, offsets, lengths)]
 LISTED = {
@@ -142,7 +150,8 @@ def whole_targets() -> dict:
     layers = {k.split(".")[-1]: model.pop(k) for k in list(model) if k.startswith("layers.")}
     return {"model": {**model, "layers": {"0": layers}, "head": torch.empty(24, 64),
                       "rope": {"cos": torch.empty(2, 3), "sin": torch.empty(4)}},
-            "optim": {"step": torch.empty((), dtype=torch.int64), "param_groups": None}, "rng": PerRank(None)}
+            "optim": {"step": torch.empty((), dtype=torch.int64), "w2": torch.empty(3, 5), "avg": torch.empty(5),
+                      "param_groups": None}, "rng": PerRank(None)}
 
 
 def want(fqn: str) -> torch.Tensor:
@@ -183,6 +192,12 @@ def test_golden_v2_holds_both_kinds_and_several_chunks_in_a_shard():
             assert stored == derived, (fqn, rank)
     assert {s.key for s in m.tensors["model.layers.0.w1"].shards} == {
         "model.layers.0.w1@0,0", "model.layers.0.w1@2,0", "model.layers.0.w1@4,0", "model.layers.0.w1@6,0"}
+    # the flat records: a rank's run of its box, cut in row-major boxes (spec 4.3 and 4.4)
+    assert sorted((m.files[s.file].rank, s.offsets, s.lengths) for s in m.tensors["optim.w2"].shards) == [
+        (0, (0, 0), (1, 3)), (0, (1, 0), (1, 1)), (1, (0, 3), (2, 2)),
+        (2, (1, 1), (1, 2)), (2, (2, 0), (1, 3)), (3, (2, 3), (1, 2))]
+    assert sorted((m.files[s.file].rank, s.offsets, s.lengths) for s in m.tensors["optim.avg"].shards) == [
+        (1, (0,), (3,)), (3, (3,), (2,))]
     (emb0,) = [s for s in m.tensors["model.emb"].shards if s.offsets == (0, 0)]
     assert emb0.byte_range[1] - emb0.byte_range[0] == 4608 and m.chunk_size == 4096
     assert m.values["rng"].per_rank.keys() == {0, 1, 2, 3}
@@ -197,7 +212,7 @@ def test_golden_v2_loads_bit_for_bit_and_validates_deep():
         flat = {"model.emb": out["model"]["emb"], "model.head": out["model"]["head"],
                 "model.norm": out["model"]["norm"], "model.scale": out["model"]["scale"],
                 "model.rope.cos": out["model"]["rope"]["cos"], "model.rope.sin": out["model"]["rope"]["sin"],
-                "optim.step": out["optim"]["step"],
+                "optim.step": out["optim"]["step"], "optim.w2": out["optim"]["w2"], "optim.avg": out["optim"]["avg"],
                 **{f"model.layers.0.{k}": v for k, v in out["model"]["layers"]["0"].items()}}
         for fqn, got in flat.items():
             assert got.dtype == want(fqn).dtype and torch.equal(got, want(fqn)), (rank, fqn)

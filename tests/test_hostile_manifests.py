@@ -19,6 +19,7 @@ from test_bad_input import recommit
 
 import shardfmt
 from shardfmt.format import hashing
+from shardfmt.format.jsonscan import MAX_DEPTH, bracket_depth, load
 
 
 def _bad_ndarray(dtype: str = "(-1,)i4", shape=(1,)) -> dict:
@@ -514,3 +515,15 @@ def test_the_tiling_locator_stops_within_its_budget():
     t = time.perf_counter()
     assert tiling_problems(boxes[:-1], Box(pre_o + (0, 0), pre_l + (n, n)), limit=1)
     assert time.perf_counter() - t < 5
+
+
+def test_brackets_inside_strings_are_not_nesting_and_deep_documents_are_still_refused():
+    """``jsonscan.load`` skips walking a parsed document whose brackets (outside strings,
+    escaped quotes included) never reach the limit; one that does is walked and refused."""
+    text = '{"a": "' + '[{' * 100 + '\\\\", "b": "\\"[[[", "c": [[1]]}'
+    assert bracket_depth(text.encode()) == 3
+    assert load(text.encode(), source="t")["c"] == [[1]]
+    deep = ("[" * MAX_DEPTH + "1" + "]" * MAX_DEPTH).encode()
+    with pytest.raises(shardfmt.errors.ManifestError, match="nested deeper"):
+        load(deep, source="t")
+    assert load(("[" * MAX_DEPTH + "]" * MAX_DEPTH).encode(), source="t")  # empty at the limit: as before

@@ -20,7 +20,8 @@ from shardfmt.saving.agreement import (
 def _ranks(*states, step=1, url="/ck"):
     """Every rank's outcome of step 2: None, the warning it issued, or the error it raised."""
     vectors = [agreement_vector(failed=False, step=s.get("_step", step), url=s.get("_url", url),
-                                values={k: jsonvalue.encode(v) for k, v in s.items() if not k.startswith("_")})
+                                values={k: jsonvalue.encode(v) for k, v in s.items() if not k.startswith("_")},
+                                mesh=s.get("_mesh", "dp=2"))
                for s in states]
     assert len({v.shape for v in vectors}) == 1  # whatever a rank holds: no rank waits on a longer collective
     reduced = Agreement.from_reduced(torch.stack(vectors).amax(dim=0))
@@ -49,6 +50,13 @@ def test_steps_at_the_ends_of_their_range_are_told_apart():
     for steps in ((MAX_STEP, MAX_STEP - 1), (None, 0)):
         errs = _ranks(*({"_step": s} for s in steps))
         assert all(isinstance(e, StateDictError) and "different steps" in str(e) for e in errs), errs
+
+
+def test_ranks_laying_out_on_different_meshes_all_raise():
+    """mesh={"dp": 2, "tp": 2} on one rank and {"dp": 4} on another: each rank would claim its
+    boxes against another mesh than the one rank 0 records."""
+    errs = _ranks({"_mesh": "dp=2,tp=2"}, {"_mesh": "dp=4"})
+    assert all(isinstance(e, StateDictError) and "different meshes" in str(e) for e in errs), errs
 
 
 def test_a_name_sharing_a_bucket_with_a_differing_value_is_named_as_such():

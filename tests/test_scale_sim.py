@@ -4,7 +4,7 @@ Fast: the simulation of the narrow ``tiny`` job (the 8B's tensors, 2 layers) at 
 to end in this process, each simulated input equals what the real functions make from real
 DTensors on that rank (torch's fake process group: one process plays rank r), and its
 figures are the ones a reader can check by hand. Slow: 8 real processes (gloo) save the same
-state with FSDP2 over TP, and their manifest is byte for byte the simulation's.
+state with FSDP2 over TP, and their manifests (format v1 and v2) are byte for byte the simulation's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from benchmarks.scale.dcp import DCP, dtensor_state, fake_world, save_plan, torc
 from benchmarks.scale.layouts import LAYOUTS
 from benchmarks.scale.measure import Meter
 from benchmarks.scale.v1 import CKPT, V1, load_layouts
+from benchmarks.scale.v2 import V2
 from shardfmt.format.manifest import MANIFEST_NAME
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.reader import read_manifest
@@ -148,9 +149,9 @@ def test_a_real_fsdp2_over_tp_save_is_the_simulation(tmp_path):
     so even the chunk digests agree), and every rank described what the simulation says."""
     from tests.distributed.harness import check_all_ok, launch
 
-    real = tmp_path / "real"
-    results = check_all_ok(launch("scale_fsdp_tp", N, {"path": str(real)}, out_dir=str(tmp_path / "out"),
-                                  timeout=300, module="tests.distributed.scale_workers"))
+    real, real_v2 = tmp_path / "real", tmp_path / "real-v2"
+    results = check_all_ok(launch("scale_fsdp_tp", N, {"path": str(real), "path_v2": str(real_v2)},
+                                  out_dir=str(tmp_path / "out"), timeout=300, module="tests.distributed.scale_workers"))
     assert results[0]["placements"]["layers.0.attention.wq.weight"] == ["_StridedShard(dim=0, sf=4)", "Shard(dim=0)"]
     assert results[0]["placements"]["layers.0.feed_forward.w2.weight"] == ["Shard(dim=0)", "Shard(dim=1)"]
     assert results[0]["placements"]["tok_embeddings.weight"] == ["_StridedShard(dim=0, sf=4)", "Shard(dim=0)"]
@@ -162,6 +163,15 @@ def test_a_real_fsdp2_over_tp_save_is_the_simulation(tmp_path):
     got = (real / MANIFEST_NAME).read_bytes()
     want = (tmp_path / "sim" / CKPT / MANIFEST_NAME).read_bytes()
     assert got == want, _diff(orjson.loads(got), orjson.loads(want))
+    # v2: the root digests the rank table's parts, which digest every rank index (its files'
+    # sizes, header and chunk digests): equal roots mean the same checkpoint, all of it
+    (tmp_path / "sim-v2").mkdir()
+    facts = V2().prepare(JOB, tmp_path / "sim-v2")
+    got = (real_v2 / MANIFEST_NAME).read_bytes()
+    want = (tmp_path / "sim-v2" / CKPT / MANIFEST_NAME).read_bytes()
+    assert got == want, _diff(orjson.loads(got), orjson.loads(want))
+    assert facts["placed"] == len(JOB.tensors) and facts["groups"] == 1
+    assert validate(str(real_v2), deep=True).ok
 
 
 def test_projection_fits_the_growth_of_the_two_largest_points():

@@ -22,6 +22,7 @@ from reshard.dcp.unpickler import (
     Constant,
     Record,
     RecordCount,
+    metadata_records,
     restricted_loads,
 )
 from reshard.errors import DcpImportError
@@ -193,7 +194,7 @@ def parse_metadata(data: bytes, *, where: str) -> DcpMetadata:
 
     Refuses the file once it builds or visits more than ``record_cap(len(data))`` records.
     """
-    records = RecordCount(len(data), where)
+    records = metadata_records(len(data), where)
     root = restricted_loads(data, where=where, records=records)
     f = _fields(root, "Metadata", where, ("state_dict_metadata", "storage_data"))
     sdm, sdata = f["state_dict_metadata"], f["storage_data"]

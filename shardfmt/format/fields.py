@@ -115,7 +115,8 @@ def parse_file_name(v: Any, where: str) -> str:
     return s
 
 
-def parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
+def parse_placement(v: Any, where: str, ndim: int, *, flat: bool = False) -> Placement | None:
+    """A placement record; ``flat`` (format v2 and the save's messages) admits ``["flat", o, p]``."""
     if v is None:
         return None
     o = record_fields(v, where, {"mesh_dims", "placements", "stage"})
@@ -136,12 +137,19 @@ def parse_placement(v: Any, where: str, ndim: int) -> Placement | None:
                 raise fail(w, "a 0-d tensor cannot be sharded")
             places.append(("strided_shard", int_field(p[1], w + "[1]", hi=max(ndim - 1, 0)),
                            int_field(p[2], w + "[2]", lo=1, hi=1 << 24)))
+        elif flat and len(p) == 3 and p[0] == "flat":
+            if ndim == 0:
+                raise fail(w, "a 0-d tensor cannot have a flat placement")
+            places.append(("flat", int_field(p[1], w + "[1]", hi=MAX_FLAT), int_field(p[2], w + "[2]", lo=1, hi=MAX_FLAT)))
         else:
             raise fail(w, f"unknown placement {p!r}")
     if len(places) != len(dims):
         raise fail(where, f"{len(dims)} mesh dims but {len(places)} placements")
     stage = None if o["stage"] is None else int_field(o["stage"], where + ".stage", hi=1 << 20)
     return Placement(mesh_dims=dims, placements=tuple(places), stage=stage)
+
+
+MAX_FLAT = 1 << 62  # a flat placement's offset and part, in elements
 
 
 def step_field(v: Any) -> int | None:

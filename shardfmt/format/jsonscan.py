@@ -194,7 +194,10 @@ def load(buf: bytes, *, source: str):
     """Parse a JSON document: in one call, nesting checked, when it is at most ``PIECE_MAX``
     bytes; else as a ``Lazy`` top-level container whose members the caller walks."""
     if len(buf) <= PIECE_MAX or not _is_container(buf, 0, len(buf)):
-        return check_depth_at(_loads(buf, "the document", source), 1, source)
+        value = _loads(buf, "the document", source)
+        if isinstance(value, (dict, list)) and bracket_depth(buf) < MAX_DEPTH:
+            return value  # no container as deep as the limit: nothing can reach past it
+        return check_depth_at(value, 1, source)
     return Lazy(buf, 0, len(buf), 1, source)
 
 
@@ -316,6 +319,26 @@ def _separators(arr: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, in
         in_str, depth = int(after[-1]), int(d[-1])
         pos += len(blk)
     return np.concatenate(commas), np.concatenate(colons), None
+
+
+def bracket_depth(buf: bytes) -> int:
+    """The deepest nesting of brackets outside strings in a JSON text (vectorised: a header of
+    thousands of entries is checked without walking its parsed objects)."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    in_str, run, depth, deepest = 0, 0, 0, 0
+    for pos in range(0, len(arr), SCAN_BLOCK):
+        blk = arr[pos:pos + SCAN_BLOCK]
+        quote = (blk == _QUOTE).view(np.uint8)
+        bs = blk == _BS
+        if run or bs.any():
+            quote = quote & ~_escaped(bs, run)
+            run = _trailing_run(bs, run)
+        after = np.bitwise_xor.accumulate(quote) ^ in_str
+        outside = (after | quote) == 0
+        d = np.cumsum(_STEP[blk] * outside, dtype=np.int32) + depth
+        deepest = max(deepest, int(d.max()))
+        in_str, depth = int(after[-1]), int(d[-1])
+    return deepest
 
 
 def _escaped(bs: np.ndarray, run: int) -> np.ndarray:

@@ -95,7 +95,9 @@ def parse_shard_record(v: Any, where: str, *, name: str, ndim: int, shape: tuple
     )
 
 
-def parse_tensor_record(name: str, v: Any, where: str, files: Mapping[str, FileRecord]) -> TensorRecord:
+def parse_tensor_record(name: str, v: Any, where: str, files: Mapping[str, FileRecord], *,
+                        flat: bool = False) -> TensorRecord:
+    """A v1 tensor record (``flat``: its placement may hold a flat entry, as a v2 save's messages may)."""
     o = record_fields(v, where, {"dtype", "shape"}, {"shards", "alias_of", "view", "placement"})
     dtype = str_field(o["dtype"], where + ".dtype", max_len=32)
     if dtype not in SUPPORTED_DTYPES:
@@ -106,7 +108,7 @@ def parse_tensor_record(name: str, v: Any, where: str, files: Mapping[str, FileR
     kinds = [k for k in ("shards", "alias_of", "view") if k in o]
     if len(kinds) != 1:
         raise fail(where, f"needs exactly one of shards, alias_of, view (has {kinds})")
-    placement = parse_placement(o.get("placement"), where + ".placement", len(shape))
+    placement = parse_placement(o.get("placement"), where + ".placement", len(shape), flat=flat)
     if "alias_of" in o:
         return TensorRecord(dtype=dtype, shape=shape, placement=placement,
                             alias_of=str_field(o["alias_of"], where + ".alias_of"))

@@ -113,7 +113,9 @@ def _tensor(v: Any, where: str, topology: Topology) -> TensorRecord:
         raise fail(where, f"needs exactly one of shards, placed, alias_of, view (has {kinds})")
     if "placement" in o and "shards" not in o:
         raise fail(where + ".placement", "only a record stored by shards has a descriptive placement")
-    placement = parse_placement(o.get("placement"), where + ".placement", len(shape))
+    placement = parse_placement(o.get("placement"), where + ".placement", len(shape), flat=True)
+    if placement is not None and any(p[0] == "flat" for p in placement.placements):
+        _flat_order(placement, where + ".placement")
     if "alias_of" in o:
         return TensorRecord(dtype=dtype, shape=shape, alias_of=str_field(o["alias_of"], where + ".alias_of"))
     if "view" in o:
@@ -137,7 +139,7 @@ def _placed(v: Any, where: str, shape: tuple[int, ...], topology: Topology) -> P
     and a stage names a coordinate of the mesh's ``pp`` dim (spec section 4.3)."""
     o = record_fields(v, where, {"mesh_dims", "placements", "stage", "writer"})
     writer = int_field(o["writer"], where + ".writer", hi=MAX_WRITER)
-    placement = parse_placement({k: o[k] for k in ("mesh_dims", "placements", "stage")}, where, len(shape))
+    placement = parse_placement({k: o[k] for k in ("mesh_dims", "placements", "stage")}, where, len(shape), flat=True)
     sizes = dict(topology.mesh)
     for name in placement.mesh_dims:
         if name not in sizes:
@@ -149,7 +151,33 @@ def _placed(v: Any, where: str, shape: tuple[int, ...], topology: Topology) -> P
             raise fail(where + ".stage", "a stage needs a 'pp' mesh dim that the placements do not use")
         if placement.stage >= sizes["pp"]:
             raise fail(where + ".stage", f"stage {placement.stage} >= pp size {sizes['pp']}")
+    if any(p[0] == "flat" for p in placement.placements):
+        _check_flat(placement, shape, sizes, where)
     return Placed(placement=placement, writer=writer)
+
+
+def _flat_order(placement, where: str) -> list:
+    """A flat entry is the only one and the last that is not replicate, after shard entries
+    only (any placement); returns the entries that are not replicate."""
+    kinds = [(d, p) for d, p in zip(placement.mesh_dims, placement.placements) if p[0] != "replicate"]
+    if sum(p[0] == "flat" for _, p in kinds) != 1 or kinds[-1][1][0] != "flat":
+        raise fail(where + ".placements", "a flat entry must be the only one and come after every shard entry")
+    if any(p[0] == "strided_shard" for _, p in kinds):
+        raise fail(where + ".placements", "a flat entry cannot follow a strided shard")
+    return kinds
+
+
+def _check_flat(placement, shape: tuple[int, ...], sizes: dict[str, int], where: str) -> None:
+    """A placed record's flat entry, ordered as any (``_flat_order``), whose pieces reach the
+    last element of the largest box the shard entries leave."""
+    kinds = _flat_order(placement, where)
+    largest = list(shape)  # the first torch.chunk piece is the largest
+    for d, p in kinds[:-1]:
+        largest[p[1]] = -(-largest[p[1]] // sizes[d])
+    dim, (_, offset, part) = kinds[-1]
+    if offset + math.prod(largest) > part * sizes[dim]:
+        raise fail(where + ".placements", f"{sizes[dim]} flat pieces of {part} elements from offset {offset} "
+                                          f"do not reach the last of {math.prod(largest)} elements")
 
 
 def _listed(v: Any, where: str, shape: tuple[int, ...], world_size: int) -> ListedShard:

@@ -40,7 +40,7 @@ from shardfmt.io.client import (
     info_time,
     translate_error,
 )
-from shardfmt.io.local import LocalStorage
+from shardfmt.io.local import LOCAL_MAX_GAP, LocalStorage
 from shardfmt.io.multipart import MultipartWriter, StreamWriter
 from shardfmt.io.ranged import RangedReader
 from shardfmt.io.store import PROCESS_IO, FileReader, IOStats
@@ -63,7 +63,7 @@ class FsspecStorage:
         self.protocol = protocol or proto
         self.remote = self.protocol in OBJECT_STORE_PROTOCOLS
         self.multipart = hasattr(fs, "call_s3")
-        self.max_gap = S3_MAX_GAP if self.remote else 1 << 20
+        self.max_gap = S3_MAX_GAP if self.remote else LOCAL_MAX_GAP
         self.read_concurrency = S3_READ_CONCURRENCY if self.remote else (os.cpu_count() or 1)
         self.lease_seconds = OBJECT_STORE_LEASE_SECONDS
         self.part_size = part_size

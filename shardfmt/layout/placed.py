@@ -28,8 +28,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shardfmt.layout.geometry import Box
+from shardfmt.layout.flat import flat_boxes
+from shardfmt.layout.geometry import Box, intersect
 from shardfmt.layout.topology import (
+    Flat,
     HeldBox,
     Layout,
     Mesh,
@@ -37,6 +39,7 @@ from shardfmt.layout.topology import (
     Shard,
     StridedShard,
     TopologyError,
+    chunk_range,
     held_boxes,
     narrow,
 )
@@ -71,11 +74,12 @@ class _Dim:
     entries: tuple[_Entry, ...]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)  # one per cached key: compared by identity
 class _Plan:
     """What every query on one (shape, layout, mesh) needs, derived once."""
 
     shape: tuple[int, ...]
+    layout: Layout
     mesh: Mesh
     holds: bool  # False: the stage is one no rank is at
     stage: tuple[int, int] | None  # (mesh dim index, coordinate) a holding rank must have
@@ -83,6 +87,7 @@ class _Plan:
     replica: tuple[tuple[int, int], ...]  # (size, rank stride) of each replica dim, in mesh order
     sharding: tuple[int, ...]  # mesh dim indexes that shard the tensor
     dims: tuple[_Dim, ...]
+    flat: tuple[Flat, int, int] | None = None  # a flat entry: (entry, its mesh dim's size, rank stride)
 
     @property
     def group_size(self) -> int:
@@ -116,11 +121,37 @@ def written_by(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer: 
                rank: int) -> tuple[HeldBox, ...]:
     """Return the boxes ``rank`` stores for the tensor: its non-empty held boxes when it is
     its replica group's writer, else none."""
-    plan = _plan_of(shape, layout, mesh)
-    if writer_rank(shape, layout, mesh, writer=writer, coords_or_rank=rank) != rank:
+    return plan_writes(placed_plan(shape, layout, mesh), writer=writer, rank=rank)
+
+
+def placed_plan(shape: Sequence[int], layout: Layout, mesh: MeshLike) -> _Plan:
+    """The checked plan of a placement on a mesh, for ``plan_writes`` (a caller asking about
+    many ranks of one tensor builds it once)."""
+    return _plan_of(shape, layout, mesh)
+
+
+def plan_writes(plan: _Plan, *, writer: int, rank: int) -> tuple[HeldBox, ...]:
+    """``written_by`` of ``placed_plan``'s tensor. The answer depends on ``writer`` only modulo
+    the replica group's size, so the thousands of tensors a rank writes that share a shape and
+    a layout are worked out once (a bounded cache)."""
+    _check_writer(writer)
+    if not _is_index(rank):
+        raise TopologyError(f"rank {rank!r} is not a non-negative integer")
+    return _written_cached(plan, writer % plan.group_size, rank)
+
+
+def _written(plan: _Plan, member: int, rank: int) -> tuple[HeldBox, ...]:
+    coords = _coords(plan.mesh, rank)
+    if not plan.holds or (plan.stage is not None and coords[plan.stage[0]] != plan.stage[1]):
         return ()
-    held = held_boxes(plan.shape, layout, plan.mesh.coords(rank), dict(plan.mesh.dims))
+    strides = _strides(plan.mesh)
+    if plan.stage_offset + plan.writer_offset(member) + sum(coords[i] * strides[i] for i in plan.sharding) != rank:
+        return ()
+    held = held_boxes(plan.shape, plan.layout, dict(zip(plan.mesh.names, coords)), dict(plan.mesh.dims))
     return tuple(hb for hb in held if not hb.box.is_empty())
+
+
+_written_cached = functools.lru_cache(maxsize=1 << 14)(_written)
 
 
 def saved_pieces(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer: int,
@@ -134,6 +165,8 @@ def saved_pieces(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer
     if not plan.holds:
         return ()
     base = plan.stage_offset + plan.writer_offset(writer)
+    if plan.flat is not None:
+        return _flat_pieces(plan, base, box)
     per_dim = []
     for dim, lo, n in zip(plan.dims, box.offsets, box.lengths):
         hits = _dim_hits(dim, lo, lo + n)
@@ -148,6 +181,40 @@ def saved_pieces(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer
         out.append(SavedPiece(rank=base + sum(shares), box=Box(starts, lengths),
                               overlap=Box(overlap_starts, overlap_lengths)))
     return tuple(out)
+
+
+def _flat_pieces(plan: _Plan, base: int, box: Box) -> tuple[SavedPiece, ...]:
+    """``saved_pieces`` of a flat layout: the boxes the other entries leave that overlap ``box``
+    (found as for any layout), then the flat pieces whose run of that box reaches into ``box``."""
+    entry, size, stride = plan.flat
+    per_dim = []
+    for dim, lo, n in zip(plan.dims, box.offsets, box.lengths):
+        hits = _dim_hits(dim, lo, lo + n)
+        if not hits:
+            return ()
+        per_dim.append(hits)
+    out = []
+    for combo in itertools.product(*per_dim):
+        shares, starts, lengths, w_starts, w_lengths = zip(*combo)
+        first = _flat_index(lengths, [w - s for w, s in zip(w_starts, starts)])
+        last = _flat_index(lengths, [w + n - 1 - s for w, n, s in zip(w_starts, w_lengths, starts)])
+        numel = math.prod(lengths)
+        for c in range((first + entry.offset) // entry.part, min(size, (last + entry.offset) // entry.part + 1)):
+            lo, hi = entry.run(numel, c)
+            for fb in flat_boxes(lengths, lo, hi):
+                g = Box(tuple(s + o for s, o in zip(starts, fb.box.offsets)), fb.box.lengths)
+                ov = intersect(g, Box(w_starts, w_lengths))
+                if ov is not None:
+                    out.append(SavedPiece(rank=base + sum(shares) + c * stride, box=g, overlap=ov))
+    return tuple(sorted(out, key=lambda p: p.box.offsets))
+
+
+def _flat_index(lengths: Sequence[int], index: Sequence[int]) -> int:
+    """Row-major position of ``index`` in a box of ``lengths``."""
+    pos = 0
+    for n, i in zip(lengths, index):
+        pos = pos * n + i
+    return pos
 
 
 def check_placed(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer: int) -> None:
@@ -268,11 +335,15 @@ def _build_plan(shape: tuple[int, ...], layout: Layout, pairs: tuple[tuple[str, 
     replica = tuple((s, strides[i]) for i, (n, s) in enumerate(mesh.dims) if n not in sharding and n != stage_dim)
     dims = []
     for d, length in enumerate(shape):
-        on_d = [(name, p) for name, p in sharding.items() if p.dim == d]
+        on_d = [(name, p) for name, p in sharding.items() if not isinstance(p, Flat) and p.dim == d]
         entries = tuple(_Entry(placement=p, size=mesh.size(name), stride=strides[index[name]]) for name, p in on_d)
         dims.append(_Dim(length=length, entries=entries))
-    return _Plan(shape=shape, mesh=mesh, holds=holds, stage=stage, stage_offset=stage_offset, replica=replica,
-                 sharding=tuple(index[n] for n in mesh.names if n in sharding), dims=tuple(dims))
+    flat = None
+    if layout.flat is not None:
+        name, entry = layout.flat
+        flat = (entry, mesh.size(name), strides[index[name]])
+    return _Plan(shape=shape, layout=layout, mesh=mesh, holds=holds, stage=stage, stage_offset=stage_offset, replica=replica,
+                 sharding=tuple(index[n] for n in mesh.names if n in sharding), dims=tuple(dims), flat=flat)
 
 
 # Thousands of tensors share a few (shape, layout) pairs: each is checked and planned once.
@@ -288,21 +359,45 @@ def _check_layout(shape: tuple[int, ...], layout: Layout, mesh: Mesh) -> None:
         if name in seen:
             raise TopologyError(f"{where}: mesh dim {name!r} is used twice")
         seen.add(name)
-        if not isinstance(p, (Shard, StridedShard, Replicate)):
-            raise TopologyError(f"{where}: {p!r} is not Shard, StridedShard or Replicate")
-        if isinstance(p, Replicate):
+        if not isinstance(p, (Shard, StridedShard, Replicate, Flat)):
+            raise TopologyError(f"{where}: {p!r} is not Shard, StridedShard, Flat or Replicate")
+        if isinstance(p, (Replicate, Flat)):
             continue
         if not _is_index(p.dim) or p.dim >= len(shape):
             raise TopologyError(f"{where}: mesh dim {name!r} shards tensor dim {p.dim!r}, "
                                 f"outside a {len(shape)}-d tensor")
         if isinstance(p, StridedShard) and not (_is_index(p.split_factor) and p.split_factor >= 1):
             raise TopologyError(f"{where}: split factor {p.split_factor!r} is not a positive integer")
+    if layout.flat is not None:
+        _check_flat(shape, layout, mesh, where)
     if layout.stage is not None and not _is_index(layout.stage):
         raise TopologyError(f"{where}: stage {layout.stage!r} is not a non-negative integer")
     if layout.stage is not None and layout.stage_dim in seen and not isinstance(
             layout.placements[layout.mesh_dims.index(layout.stage_dim)], Replicate):
         raise TopologyError(f"{where}: mesh dim {layout.stage_dim!r} picks the stage and also shards the "
                             "tensor: only one of its pieces would be stored")
+
+
+def _check_flat(shape: tuple[int, ...], layout: Layout, mesh: Mesh, where: str) -> None:
+    """A flat entry: one, the last that is not replicate, after shard entries only, on a tensor
+    with dims, and its pieces over the mesh dim reach past the tensor's last element."""
+    kinds = [p for p in layout.placements if not isinstance(p, Replicate)]
+    name, entry = layout.flat
+    if sum(isinstance(p, Flat) for p in kinds) != 1 or not isinstance(kinds[-1], Flat):
+        raise TopologyError(f"{where}: a flat entry must be the only one and come after every shard entry")
+    if any(isinstance(p, StridedShard) for p in kinds):
+        raise TopologyError(f"{where}: a flat entry cannot follow a strided shard (a rank would hold several boxes)")
+    if not shape:
+        raise TopologyError(f"{where}: a 0-d tensor cannot have a flat placement")
+    if not (_is_index(entry.offset) and _is_index(entry.part) and entry.part >= 1):
+        raise TopologyError(f"{where}: flat offset {entry.offset!r} and part {entry.part!r} must be integers, part >= 1")
+    largest = list(shape)  # what the shard entries leave a rank, at most: the first chunks
+    for n, p in zip(layout.mesh_dims, layout.placements):
+        if isinstance(p, Shard):
+            largest[p.dim] = chunk_range(largest[p.dim], mesh.size(n), 0)[1]
+    if entry.offset + math.prod(largest) > entry.part * mesh.size(name):
+        raise TopologyError(f"{where}: {mesh.size(name)} pieces of {entry.part} elements from offset "
+                            f"{entry.offset} do not reach the last of {math.prod(largest)} elements")
 
 
 def _check_writer(writer: int) -> None:

@@ -33,6 +33,7 @@ import orjson
 
 from shardfmt.errors import ShardfmtError
 from shardfmt.layout.topology import (
+    Flat,
     Layout,
     Mesh,
     Replicate,
@@ -107,7 +108,10 @@ def parse_rules(obj: Any, *, source: str = "<rules>") -> Rules:
         dims, kinds = [], []
         for dim, p in places.items():
             try:
-                kinds.append(placement_from_json(p))
+                kind = placement_from_json(p)
+                if isinstance(kind, Flat):  # a flat entry's offset is per tensor: no rule can give it
+                    raise TopologyError("flat")
+                kinds.append(kind)
             except TopologyError:
                 raise RulesError(f"{where}: placement {p!r} for mesh dim {dim!r} is not [\"shard\", d], "
                                  "[\"strided_shard\", d, f] or [\"replicate\"]") from None

@@ -9,7 +9,9 @@ part (``"a..b"``, ``".a"``). Load walks the caller's own structure, so no inform
 lost by flattening.
 
 ``ShardedTensor(local, global_shape, offsets)`` declares that a tensor is one slice of a
-larger global tensor; ``PerRank(value)`` marks a value that differs per rank.
+larger global tensor; ``FlatShard(local, global_shape, start)`` that a 1-D tensor holds a run
+of a global tensor's row-major elements (ZeRO/FSDP1 flat partitions; ``flat_group`` cuts a
+group buffer into them); ``PerRank(value)`` marks a value that differs per rank.
 
 ``IfSaved(subtree)`` (a dict's value) marks state that exists only to be loaded into, not
 real state: what ``shardfmt.get_state_dict`` makes for a fresh optimizer's parameters.
@@ -24,6 +26,7 @@ it) is never missing either: ``load`` raises ``StateDictError``, with or without
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,9 @@ from typing import Any
 import torch
 
 from shardfmt.errors import ShapeError, StateDictError
+from shardfmt.layout.flat import flat_boxes
+from shardfmt.layout.geometry import Box
+from shardfmt.layout.topology import Flat, Layout
 
 MAX_FQN = 4096  # the manifest's limit on a name
 
@@ -66,6 +72,88 @@ class ShardedTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class FlatShard:
+    """``local`` (1-D, contiguous) holds elements ``[start, start + local.numel())`` of a global
+    tensor's row-major flattening: a ZeRO-3 partition of a parameter, or the part of one
+    parameter inside a ZeRO-1/2 or FSDP1 rank's window of a group buffer (``flat_group``).
+    Elements past the tensor's end are padding: never saved, never written by a load. Stored
+    as the boxes the range cuts into (``layout.flat``), so it reshards to and from any layout.
+
+    ``layout`` (a ``Layout`` ending in a ``Flat`` entry, e.g. ``Layout(("dp",), (Flat(0,
+    part),))`` for ZeRO-3), when given, is recorded as the tensor's placement: when every rank
+    holds what it derives, the checkpoint stores the placement instead of every rank's boxes.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    start: int
+    layout: Any = None
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], start: int, *,
+                 layout: Any = None) -> None:
+        if not isinstance(local, torch.Tensor):
+            raise StateDictError(f"FlatShard needs a torch.Tensor, got {type(local).__name__}")
+        if local.dim() != 1 or (local.numel() > 1 and local.stride(0) != 1):
+            raise ShapeError(f"FlatShard: local must be a contiguous 1-D tensor, got shape {list(local.shape)} "
+                             f"stride {list(local.stride())}")
+        gs = tuple(int(x) for x in global_shape)
+        if any(n < 0 for n in gs) or int(start) < 0:
+            raise ShapeError(f"FlatShard: global_shape {list(gs)} and start {start} must not be negative")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "global_shape", gs)
+        object.__setattr__(self, "start", int(start))
+        object.__setattr__(self, "layout", layout)
+
+    @classmethod
+    def chunk(cls, local: torch.Tensor, global_shape: Sequence[int], *, coord: int, count: int,
+              mesh_dim: str | None = None) -> FlatShard:
+        """ZeRO-3's partition ``coord`` of ``count``: the flattened tensor cut into pieces of
+        ``ceil(numel / count)`` elements (``local`` holds one, padding included); ``mesh_dim``
+        names the mesh dim the pieces are laid over, recorded as ``Flat(0, part)``."""
+        part = max(1, -(-math.prod(int(x) for x in global_shape) // count))
+        layout = None if mesh_dim is None or not len(global_shape) else Layout((mesh_dim,), (Flat(0, part),))
+        return cls(local, global_shape, coord * part, layout=layout)
+
+    def pieces(self) -> list[tuple[torch.Tensor, Box]]:
+        """(view of ``local``, global box) for every box the range cuts into, in order."""
+        out = []
+        for fb in flat_boxes(self.global_shape, self.start, self.start + self.local.numel()):
+            lo = fb.start - self.start
+            out.append((self.local[lo:lo + fb.box.numel].view(fb.box.lengths), fb.box))
+        return out
+
+
+def flat_group(buffer: torch.Tensor, members: Sequence[tuple[str, Sequence[int], int]], *,
+               start: int, mesh_dim: str | None = None) -> dict[str, FlatShard]:
+    """The ``FlatShard``s of a rank's window of a group buffer (ZeRO-1/2, FSDP1).
+
+    ``members`` are the group's tensors as ``(name, shape, offset)``: each occupies elements
+    ``[offset, offset + numel)`` of the group's flat buffer (offsets carry any alignment
+    padding between members); ``buffer`` (1-D) holds the group's elements ``[start, start +
+    buffer.numel())``. Returns name -> the part of that tensor in the window, for the members
+    the window touches; padding between or after members is left out (never saved, never
+    loaded into).
+
+    ``mesh_dim``: the mesh dim the group's windows are laid over (equal windows, rank at
+    coordinate ``c`` holding ``[c * buffer.numel(), ...)``): every member is returned, empty
+    where the window misses it, with its ``Flat(offset, buffer.numel())`` layout (a 0-d member:
+    none), so the checkpoint records each tensor's placement instead of every rank's boxes."""
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() != 1:
+        raise ShapeError("flat_group: buffer must be a 1-D tensor")
+    out = {}
+    hi = start + buffer.numel()
+    for name, shape, offset in members:
+        n = math.prod(int(x) for x in shape)
+        lo_m, hi_m = max(start, offset), min(hi, offset + n)
+        layout = None if mesh_dim is None or not len(shape) else Layout((mesh_dim,), (Flat(int(offset), buffer.numel()),))
+        if lo_m < hi_m:
+            out[name] = FlatShard(buffer[lo_m - start:hi_m - start], shape, lo_m - offset, layout=layout)
+        elif layout is not None:
+            out[name] = FlatShard(buffer[:0], shape, 0, layout=layout)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class PerRank:
     """A value that differs per rank (RNG state, per-rank counters): stored per rank."""
 
@@ -94,7 +182,7 @@ class Leaf:
 
 
 def _is_tensor_like(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v)
+    return isinstance(v, (torch.Tensor, ShardedTensor, FlatShard)) or _is_dtensor(v)
 
 
 def _is_dtensor(v: Any) -> bool:

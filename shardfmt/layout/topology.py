@@ -8,7 +8,8 @@ one placement per named mesh dim, applied left to right — ``Shard(d)`` (torch.
 semantics: chunks of ceil(n / k), trailing ones short or empty), ``StridedShard(d, k)``
 (FSDP2-over-TP: the current extent is cut into ``k`` chunks first, then each chunk is
 split over the mesh dim and the rank keeps its piece of every chunk: several disjoint
-ranges), or ``Replicate()``; plus an optional pipeline ``stage`` that owns it. Along each
+ranges), ``Flat(offset, part)`` (ZeRO/FSDP1: a run of the flattened elements, last), or
+``Replicate()``; plus an optional pipeline ``stage`` that owns it. Along each
 tensor dim a rank holds a list of global intervals; the product of those lists is its set
 of boxes, each paired with where it sits in the rank's local tensor.
 """
@@ -23,6 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from shardfmt.errors import ShardfmtError
+from shardfmt.layout.flat import flat_boxes
 from shardfmt.layout.geometry import Box
 
 MAX_WORLD = 1 << 24  # ranks (and mesh dim sizes) the manifest can record (spec sections 4.1, 12)
@@ -152,7 +154,28 @@ class Replicate:
         return ["replicate"]
 
 
-PlacementKind = Shard | StridedShard | Replicate
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """The tensor's row-major elements (of what the entries before leave the rank: one box)
+    sit at ``[offset, offset + numel)`` of a flat buffer cut into pieces of ``part`` elements
+    over the mesh dim; the rank at coordinate ``c`` holds piece ``c`` (ZeRO-3: offset 0, part
+    ceil(numel / k); ZeRO-1/2, FSDP1: the tensor's offset in its group buffer, the partition
+    size). Its boxes are the run cut by ``layout.flat`` (spec section 4.3)."""
+
+    offset: int
+    part: int
+
+    def to_json(self) -> list:
+        return ["flat", self.offset, self.part]
+
+    def run(self, numel: int, coord: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` (of ``numel``) the rank at ``coord`` holds (lo == hi: none)."""
+        lo = max(0, coord * self.part - self.offset)
+        hi = min(numel, (coord + 1) * self.part - self.offset)
+        return (lo, hi) if lo < hi else (0, 0)
+
+
+PlacementKind = Shard | StridedShard | Replicate | Flat
 
 
 def _is_index(v, lo: int) -> bool:
@@ -167,6 +190,8 @@ def placement_from_json(v) -> PlacementKind:
         return Shard(v[1])
     if isinstance(v, list) and len(v) == 3 and v[0] == "strided_shard" and _is_index(v[1], 0) and _is_index(v[2], 1):
         return StridedShard(v[1], v[2])
+    if isinstance(v, list) and len(v) == 3 and v[0] == "flat" and _is_index(v[1], 0) and _is_index(v[2], 1):
+        return Flat(v[1], v[2])
     raise TopologyError(f"unknown placement {v!r}")
 
 
@@ -183,6 +208,14 @@ class Layout:
         if len(self.mesh_dims) != len(self.placements):
             raise TopologyError(f"layout names {len(self.mesh_dims)} mesh dims but has "
                                 f"{len(self.placements)} placements")
+
+    @property
+    def flat(self) -> tuple[str, Flat] | None:
+        """(mesh dim, entry) of the layout's ``Flat`` entry, if it has one."""
+        for name, p in zip(self.mesh_dims, self.placements):
+            if isinstance(p, Flat):
+                return name, p
+        return None
 
     def to_json(self) -> dict:
         return {"mesh_dims": list(self.mesh_dims), "placements": [p.to_json() for p in self.placements],
@@ -234,8 +267,8 @@ def held_intervals(global_shape: Sequence[int], layout: Layout, coords: Mapping[
         return None
     held = [((0, int(n)),) for n in global_shape]
     for name, p in zip(layout.mesh_dims, layout.placements):
-        if isinstance(p, Replicate):
-            continue
+        if isinstance(p, (Replicate, Flat)):
+            continue  # a flat entry acts on the box the others leave (``_flat_boxes``)
         if name not in mesh_sizes:
             raise TopologyError(f"layout uses mesh dim {name!r}, mesh has {sorted(mesh_sizes)}")
         if p.dim >= len(global_shape):
@@ -261,7 +294,8 @@ def narrow(intervals: Intervals, placement: Shard | StridedShard, *, size: int, 
 
 @dataclass(frozen=True, slots=True)
 class HeldBox:
-    """A global box a rank holds and where it sits in the rank's local tensor."""
+    """A global box a rank holds and where it sits in the rank's local tensor (a flat layout:
+    ``local_offsets`` is its one start in the rank's 1-D local buffer)."""
 
     box: Box
     local_offsets: tuple[int, ...]
@@ -282,6 +316,8 @@ def _held_boxes(global_shape: tuple[int, ...], layout: Layout, coords: tuple, me
     held = held_intervals(global_shape, layout, dict(coords), dict(mesh_sizes))
     if held is None:
         return ()
+    if layout.flat is not None:
+        return _flat_boxes(global_shape, layout.flat, held, dict(coords), dict(mesh_sizes))
     if len(global_shape) == 0:
         return (HeldBox(Box((), ()), ()),)
     per_dim: list[list[tuple[int, int, int]]] = []  # (global lo, length, local lo)
@@ -299,6 +335,26 @@ def _held_boxes(global_shape: tuple[int, ...], layout: Layout, coords: tuple, me
         out.append(HeldBox(Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo)),
                            tuple(c[2] for c in combo)))
     return tuple(out)
+
+
+def _flat_boxes(global_shape: tuple[int, ...], flat: tuple[str, Flat], held: tuple[Intervals, ...],
+                coords: Mapping[str, int], mesh_sizes: Mapping[str, int]) -> tuple[HeldBox, ...]:
+    """The boxes of a flat layout: the run of the one box the other entries leave, cut in order."""
+    name, entry = flat
+    if name not in mesh_sizes:
+        raise TopologyError(f"layout uses mesh dim {name!r}, mesh has {sorted(mesh_sizes)}")
+    if not global_shape:
+        raise TopologyError("a 0-d tensor cannot have a flat placement")
+    if any(len(iv) > 1 for iv in held):
+        raise TopologyError("a flat placement needs the entries before it to leave each rank one box")
+    offsets = tuple(iv[0][0] if iv else 0 for iv in held)
+    lengths = tuple(iv[0][1] - iv[0][0] if iv else 0 for iv in held)
+    lo, hi = entry.run(math.prod(lengths), coords[name])
+    pieces = flat_boxes(lengths, lo, hi)
+    if not pieces:
+        return (HeldBox(Box(tuple(0 for _ in lengths), tuple(0 for _ in lengths)), (0,)),)
+    return tuple(HeldBox(Box(tuple(o + a for o, a in zip(offsets, fb.box.offsets)), fb.box.lengths), (fb.start - lo,))
+                 for fb in pieces)
 
 
 # Thousands of tensors share a few (shape, layout) pairs: each is worked out once.
@@ -371,7 +427,7 @@ def retarget(fqn: str, saved: Layout | None, mesh: Mesh, *, num_layers: int) -> 
         for name, p in zip(saved.mesh_dims, saved.placements):
             if name in names and not isinstance(p, Replicate):
                 dims.append(name)
-                places.append(p)
+                places.append(Shard(0) if isinstance(p, Flat) else p)  # a flat part sized for the old mesh
     stage = None
     if "pp" in names and num_layers:
         stage = default_stage(fqn, num_layers, mesh.size("pp"))

@@ -22,6 +22,7 @@ from shardfmt.errors import ManifestError, MissingKeyError, StateDictError
 from shardfmt.format import jsonvalue
 from shardfmt.format.manifest import Manifest, ValueRecord
 from shardfmt.layout.state import (
+    FlatShard,
     Leaf,
     PerRank,
     ShardedTensor,
@@ -65,7 +66,7 @@ def rank_and_world(rank: int | None, process_group, manifest: Manifest, source: 
 
 
 def _is_tensor_leaf(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v)
+    return isinstance(v, (torch.Tensor, ShardedTensor, FlatShard)) or _is_dtensor(v)
 
 
 def request_load(state_dict: dict, manifest: Manifest, options: LoadOptions, *, rank: int, world_size: int,

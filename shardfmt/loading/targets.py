@@ -7,7 +7,7 @@ filled (through a bounce buffer or in place; whether any other process reads the
 bytes). Two sources of targets:
 
 - a caller's tensors (``TargetBuilder``): plain tensors want the whole tensor, ShardedTensors
-  their slice, DTensors every box their rank holds; tensors saved as views of one shared
+  their slice, FlatShards the boxes of their flat range, DTensors every box their rank holds; tensors saved as views of one shared
   buffer are read once into a buffer target and copied into each view afterwards (``ViewCopy``);
 - a mesh and a rank, offline (``targets_for_rank``): the source ends only (``TargetSlice``),
   for the planner and the plan CLI, with no memory behind them.
@@ -30,7 +30,7 @@ from shardfmt.format.tensor_bytes import is_direct
 from shardfmt.io.store import Storage
 from shardfmt.layout.dtensor import dtensor_layout
 from shardfmt.layout.geometry import Box
-from shardfmt.layout.state import Leaf, ShardedTensor, _is_dtensor
+from shardfmt.layout.state import FlatShard, Leaf, ShardedTensor, _is_dtensor
 from shardfmt.layout.topology import Mesh, count_layers, held_boxes, layout_from_record, retarget
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.planner import LoadPlan, TargetSlice, plan_load
@@ -78,6 +78,8 @@ def _pieces(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]], t
     v = leaf.value
     if isinstance(v, ShardedTensor):
         return v.local, [(v.local, Box(v.offsets, tuple(v.local.shape)))], v.global_shape
+    if isinstance(v, FlatShard):
+        return v.local, v.pieces(), v.global_shape
     if _is_dtensor(v):
         try:
             layout, coords, sizes = dtensor_layout(v)

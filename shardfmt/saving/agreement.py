@@ -34,7 +34,7 @@ class Agreement:
 
     failed: bool  # a rank could not describe its state or step: the gather names it
     steps: tuple[int, int]  # -1 stands for None
-    places: tuple[int, int]  # digests of the destinations the storages resolve
+    places: tuple[int, int]  # digests of the destinations the storages resolve, with the mesh
     differing: frozenset[int]  # buckets whose replicated values differ across ranks
 
     @classmethod
@@ -55,7 +55,8 @@ def value_bucket(fqn: str) -> int:
     return xxhash.xxh3_64_intdigest(fqn.encode()) % AGREE_BUCKETS
 
 
-def agreement_vector(*, failed: bool, step: int | None, url: str, values: Mapping[str, Any]) -> torch.Tensor:
+def agreement_vector(*, failed: bool, step: int | None, url: str, values: Mapping[str, Any],
+                     mesh: str = "") -> torch.Tensor:
     """This rank's side of step 2 (pure): ``[failed, step, place, bucket sums...]`` followed by
     its negation, so that one MAX all-reduce yields every slot's highest and lowest value.
 
@@ -66,7 +67,8 @@ def agreement_vector(*, failed: bool, step: int | None, url: str, values: Mappin
         x[0] = 1
     else:
         x[1] = -1 if step is None else step
-        x[2] = _digest62(url.encode("utf-8", "surrogateescape"))  # a path of any bytes; refused later
+        # the destination (a path of any bytes; refused later) and the mesh the ranks lay out on
+        x[2] = _digest62(url.encode("utf-8", "surrogateescape") + b"\0" + mesh.encode())
         for fqn, v in values.items():
             i = 3 + value_bucket(fqn)
             x[i] = (x[i] + _digest62(orjson.dumps([fqn, v], option=orjson.OPT_SORT_KEYS))) % _MOD
@@ -90,7 +92,7 @@ def check_agreement(a: Agreement, *, rank: int, step: int | None, url: str, valu
         lo, hi = (None if s < 0 else s for s in a.steps)
         problems.append(f"ranks save different steps (lowest {lo}, highest {hi})")
     if a.places[0] != a.places[1]:
-        problems.append("ranks save to different locations")
+        problems.append("ranks save to different locations or with different meshes (mesh=)")
     if problems:
         raise StateDictError(f"this rank saves step {step} to {url}, but {' and '.join(problems)}: every rank "
                              "must save the same step to the same path; nothing was committed")

@@ -34,7 +34,9 @@ class Coordinator(Protocol):
     """The collectives of a save; every rank calls them in the same order.
 
     ``gather`` gives every rank every rank's message (or ``RankError``), in rank order;
-    ``broadcast`` gives every rank rank 0's; ``all_reduce_max`` reduces an int64 vector;
+    ``gather_to_root`` gives them to rank 0 only (the others get None: what they send is all
+    they pay); ``broadcast`` gives every rank rank 0's; ``all_reduce_max`` reduces an int64
+    vector; ``all_gather_ints`` gives every rank every rank's row of ints (a fixed width);
     ``raise_failures`` raises on every rank when any message is a ``RankError``.
     """
 
@@ -43,6 +45,8 @@ class Coordinator(Protocol):
 
     def default_topology(self) -> Topology: ...
     def gather(self, msg: Any, decode: Decoder, what: str) -> list[Any]: ...
+    def gather_to_root(self, msg: Any, decode: Decoder, what: str) -> list[Any] | None: ...
+    def all_gather_ints(self, row: Sequence[int], what: str) -> list[tuple[int, ...]]: ...
     def broadcast(self, msg: Any | None, decode: Decoder, what: str) -> Any: ...
     def all_reduce_max(self, vector: torch.Tensor, what: str) -> torch.Tensor: ...
     def raise_failures(self, msgs: Sequence[Any], what: str) -> None: ...
@@ -59,6 +63,12 @@ class LocalCoordinator:
 
     def gather(self, msg: Any, decode: Decoder, what: str) -> list[Any]:
         return [msg]
+
+    def gather_to_root(self, msg: Any, decode: Decoder, what: str) -> list[Any] | None:
+        return [msg]
+
+    def all_gather_ints(self, row: Sequence[int], what: str) -> list[tuple[int, ...]]:
+        return [tuple(row)]
 
     def broadcast(self, msg: Any | None, decode: Decoder, what: str) -> Any:
         return msg
@@ -86,6 +96,16 @@ class GroupCoordinator:
     def gather(self, msg: Any, decode: Decoder, what: str) -> list[Any]:
         blobs = self._run(lambda: all_gather_bytes(orjson.dumps(envelope(self.rank, msg)), self.group), what)
         return [open_envelope(orjson.loads(b), decode) for b in blobs]
+
+    def gather_to_root(self, msg: Any, decode: Decoder, what: str) -> list[Any] | None:
+        blobs = self._run(lambda: gather_bytes_to_root(orjson.dumps(envelope(self.rank, msg)), self.group), what)
+        return None if blobs is None else [_decoded(b, decode, r) for r, b in enumerate(blobs)]
+
+    def all_gather_ints(self, row: Sequence[int], what: str) -> list[tuple[int, ...]]:
+        mine = torch.tensor(list(row), dtype=torch.int64)
+        rows = [torch.zeros_like(mine) for _ in range(self.world)]
+        self._run(lambda: dist.all_gather(rows, mine, group=self.group), what)
+        return [tuple(r.tolist()) for r in rows]
 
     def broadcast(self, msg: Any | None, decode: Decoder, what: str) -> Any:
         blob = orjson.dumps(envelope(0, msg)) if self.rank == 0 else None
@@ -116,6 +136,15 @@ class GroupCoordinator:
         except Exception as e:  # gloo raises RuntimeError/DistBackendError on a dead or frozen peer
             raise CommitError(f"rank {self.rank}: {what} failed (a rank died, froze or timed out): {e}; "
                               "nothing was committed") from None
+
+
+def _decoded(blob: bytes, decode: Decoder, rank: int) -> Any:
+    """Rank ``rank``'s message, or its failure: a message rank 0 alone cannot read fails the
+    save on every rank through rank 0 (raising here would leave the others waiting)."""
+    try:
+        return open_envelope(orjson.loads(blob), decode)
+    except Exception as e:  # noqa: BLE001 - whatever a rank sent, the others must hear of it
+        return RankError(rank=rank, kind=type(e).__name__, message=f"rank {rank}'s message cannot be read: {e}")
 
 
 # --------------------------------------------------------------------------- process groups
@@ -188,6 +217,26 @@ def all_gather_bytes(data: bytes, group) -> list[bytes]:
     outs = [torch.zeros(max(longest, 1), dtype=torch.uint8) for _ in range(n)]
     dist.all_gather(outs, buf, group=group)
     return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def gather_bytes_to_root(data: bytes, group) -> list[bytes] | None:
+    """Gather one byte string per rank on group rank 0 (None elsewhere): the sizes by one
+    gather, then each payload point to point at its own size (no rank pays for the longest)."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)] if me == 0 else None
+    dist.gather(size, gather_list=sizes, group_dst=0, group=group)
+    if me != 0:
+        if data:
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), group_dst=0, group=group)
+        return None
+    out = [data]
+    for r in range(1, n):
+        buf = torch.empty(int(sizes[r].item()), dtype=torch.uint8)
+        if buf.numel():
+            dist.recv(buf, group_src=r, group=group)
+        out.append(bytes(buf.numpy().tobytes()))
+    return out
 
 
 def broadcast_bytes(data: bytes | None, src: int, group) -> bytes:

@@ -1,7 +1,7 @@
 """Step 1 of a save: flatten a rank's state and describe what it holds (no collective, no I/O).
 
 DTensors become the global boxes this rank holds (placements read off the DTensor),
-ShardedTensors their one box, plain tensors are grouped by shared memory (``sharing``:
+ShardedTensors their one box, FlatShards the boxes their flat range cuts into, plain tensors are grouped by shared memory (``sharing``:
 aliases, views of one storage), values are encoded to typed JSON here, so the description
 is a snapshot of them. ``Prepared`` pairs the description (``RankState``, what the ranks
 exchange) with the local tensor views to write.
@@ -21,7 +21,7 @@ from shardfmt.format.manifest import TensorRecord
 from shardfmt.format.tensor_bytes import resolved
 from shardfmt.layout.dtensor import dtensor_layout, placement_record
 from shardfmt.layout.geometry import Box
-from shardfmt.layout.state import Leaf, PerRank, ShardedTensor, _is_dtensor, flatten
+from shardfmt.layout.state import FlatShard, Leaf, PerRank, ShardedTensor, _is_dtensor, flatten
 from shardfmt.layout.topology import held_boxes
 from shardfmt.saving.messages import HeldTensor, RankError, RankState
 from shardfmt.saving.sharing import check_saveable, plan_sharing
@@ -55,6 +55,16 @@ def _sharded_pieces(leaf: Leaf) -> tuple[HeldTensor, list[Piece]]:
     return held, [(box, v.local.detach())]
 
 
+def _flat_pieces(leaf: Leaf) -> tuple[HeldTensor, list[Piece]]:
+    v = leaf.value
+    check_saveable(leaf.fqn, v.local)
+    pieces = [(box, view.detach()) for view, box in v.pieces()]
+    held = HeldTensor(fqn=leaf.fqn, dtype=dtype_code(v.local.dtype, what=leaf.fqn), shape=v.global_shape,
+                      placement=placement_record(v.layout) if v.layout is not None else None,
+                      boxes=tuple(b for b, _ in pieces))
+    return held, pieces
+
+
 def describe(state_dict: dict, rank: int) -> tuple[RankState, dict[str, list[Piece]]]:
     """Return what this rank holds: its ``RankState`` and, per fqn, the local pieces to write
     (``IfSaved`` subtrees are no real state: they are left out)."""
@@ -71,6 +81,8 @@ def describe(state_dict: dict, rank: int) -> tuple[RankState, dict[str, list[Pie
             held[leaf.fqn], pieces[leaf.fqn] = _dtensor_pieces(leaf)
         elif isinstance(v, ShardedTensor):
             held[leaf.fqn], pieces[leaf.fqn] = _sharded_pieces(leaf)
+        elif isinstance(v, FlatShard):
+            held[leaf.fqn], pieces[leaf.fqn] = _flat_pieces(leaf)
         elif isinstance(v, torch.Tensor):
             check_saveable(leaf.fqn, v)
             plain[leaf.fqn] = resolved(v)  # a lazy conj/neg is not its storage's bytes: shares nothing

@@ -6,6 +6,9 @@ writes them and come back through the manifest's parsers, with the same validati
 manifest gets: a rank never accepts a record from another rank that a reader would refuse.
 
     RankState   step 1/3: what a rank holds (tensor boxes, aliases, views, values)
+    Summary     v2 step 3: what rank 0 needs of a rank (its group's claims once, its listed boxes)
+    WritePlan   v2 step 4: rank 0's plan (placed tensors, listed boxes' writers, hash chunk)
+    Failures    v2 step 6: the failures rank 0 gathered, told to every rank
     Staged      step 5:   rank 0 staged the checkpoint (save id, staging dir, file name tag)
     Written     step 6:   the file a rank wrote (its file record and shard records), or none
     Committed   step 7:   the manifest rank 0 committed
@@ -19,8 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardfmt.errors import ShardfmtError
+from shardfmt.format.fields import int_field, parse_placement
 from shardfmt.format.index import RankEntry
-from shardfmt.format.manifest import FileRecord, Manifest, Placement, ShardRecord, TensorRecord
+from shardfmt.format.manifest import (
+    FileRecord,
+    Manifest,
+    Placed,
+    Placement,
+    ShardRecord,
+    TensorRecord,
+)
 from shardfmt.format.parse import (
     parse_file_name,
     parse_file_record,
@@ -32,6 +43,7 @@ from shardfmt.format.parse_v2 import parse_rank_entry
 from shardfmt.layout.geometry import Box
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
+WriteKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (fqn, offsets, lengths)
 
 
 def _where(rank: int, what: str) -> str:
@@ -59,7 +71,7 @@ class HeldTensor:
     @classmethod
     def from_json(cls, o: Mapping, *, rank: int) -> HeldTensor:
         fqn = o["fqn"]
-        rec = parse_tensor_record(fqn, o["record"], _where(rank, fqn), {})
+        rec = parse_tensor_record(fqn, o["record"], _where(rank, fqn), {}, flat=True)
         boxes = tuple(_box(b, rec.shape, f"{_where(rank, fqn)}.boxes[{i}]") for i, b in enumerate(o["boxes"]))
         return cls(fqn=fqn, dtype=rec.dtype, shape=rec.shape, placement=rec.placement, storage=bool(o["storage"]),
                    boxes=boxes)
@@ -92,12 +104,107 @@ class RankState:
 
     @classmethod
     def from_json(cls, o: Mapping, *, rank: int) -> RankState:
-        views = {f: parse_tensor_record(f, r, _where(rank, f), {}) for f, r in o["views"].items()}
-        if any(r.view is None for r in views.values()):
-            raise ShardfmtError(f"{_where(rank, 'views')}: a view record without a view")
+        views = _views(o["views"], rank)
         return cls(rank=rank, tensors=tuple(HeldTensor.from_json(t, rank=rank) for t in o["tensors"]),
                    aliases={str(k): str(v) for k, v in o["aliases"].items()}, views=views,
                    values=o["values"], per_rank=o["per_rank"], replica_digests=o["replica_digests"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """v2: a tensor a rank holds exactly as its placement derives for the rank's mesh
+    coordinates (spec 4.3), so its boxes need not travel. A plain tensor held whole claims
+    the empty placement (a replica on every rank)."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    placement: Placement
+    storage: bool = False
+
+    def held(self) -> HeldTensor:
+        """The tensor's record without boxes (what rank 0 records)."""
+        placement = None if self.placement == Placement() else self.placement  # a plain tensor has none
+        return HeldTensor(fqn=self.fqn, dtype=self.dtype, shape=self.shape, placement=placement, storage=self.storage)
+
+    def to_json(self) -> list:
+        return [self.fqn, TensorRecord(dtype=self.dtype, shape=self.shape, placement=self.placement).to_json(),
+                self.storage]
+
+    @classmethod
+    def from_json(cls, o: Any, *, rank: int) -> Claim:
+        fqn, record, storage = o
+        rec = parse_tensor_record(fqn, record, _where(rank, fqn), {}, flat=True)
+        if rec.placement is None:
+            raise ShardfmtError(f"{_where(rank, fqn)}: a claim without a placement")
+        return cls(fqn=fqn, dtype=rec.dtype, shape=rec.shape, placement=rec.placement, storage=bool(storage))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Summary:
+    """v2 step 3, one rank to rank 0: its claims (sent by the first rank of each group of ranks
+    with the same claims, None from the others), the tensors it cannot claim with their boxes,
+    aliases and views, the names of its per-rank values (it writes them into its own index),
+    the replicated values in buckets the ranks disagree on (rank 0 has the rest), and replica
+    digests (``check_replicas``)."""
+
+    rank: int
+    claims: tuple[Claim, ...] | None = None
+    listed: tuple[HeldTensor, ...] = ()
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    views: Mapping[str, TensorRecord] = field(default_factory=dict)
+    values: Mapping[str, Any] = field(default_factory=dict)
+    per_rank: tuple[str, ...] = ()
+    replica_digests: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"claims": None if self.claims is None else [c.to_json() for c in self.claims],
+                "listed": [t.to_json() for t in self.listed], "aliases": dict(self.aliases),
+                "views": {f: r.to_json() for f, r in self.views.items()}, "values": dict(self.values),
+                "per_rank": list(self.per_rank), "replica_digests": dict(self.replica_digests)}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int) -> Summary:
+        claims = o["claims"]
+        return cls(rank=rank, claims=None if claims is None else tuple(Claim.from_json(c, rank=rank) for c in claims),
+                   listed=tuple(HeldTensor.from_json(t, rank=rank) for t in o["listed"]),
+                   aliases={str(k): str(v) for k, v in o["aliases"].items()}, views=_views(o["views"], rank),
+                   values=o["values"], per_rank=tuple(str(f) for f in o["per_rank"]),
+                   replica_digests=o["replica_digests"])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WritePlan:
+    """v2 step 4, rank 0 to every rank: the placed tensors (each rank derives what it writes of
+    them), the writer of every listed box, the hash chunk; or the failures that stop the save."""
+
+    placed: Mapping[str, Placed] = field(default_factory=dict)
+    listed: Mapping[WriteKey, int] = field(default_factory=dict)
+    chunk_size: int = 0
+    failures: tuple[RankError, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"placed": [[f, p.to_json()] for f, p in self.placed.items()],
+                "listed": [[f, list(o), list(n), r] for (f, o, n), r in self.listed.items()],
+                "chunk_size": self.chunk_size, "failures": [e.to_json() for e in self.failures]}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int = 0) -> WritePlan:
+        placed = {}
+        for fqn, p in o["placed"]:
+            where = f"(the write plan's {fqn})"
+            placement = parse_placement({k: p[k] for k in ("mesh_dims", "placements", "stage")}, where, 64, flat=True)
+            placed[str(fqn)] = Placed(placement=placement, writer=int_field(p["writer"], where + ".writer"))
+        listed = {(str(f), tuple(int(x) for x in off), tuple(int(x) for x in n)): int(r) for f, off, n, r in o["listed"]}
+        return cls(placed=placed, listed=listed, chunk_size=int(o["chunk_size"]),
+                   failures=tuple(RankError.from_json(e) for e in o["failures"]))
+
+
+def _views(o: Mapping, rank: int) -> dict[str, TensorRecord]:
+    views = {f: parse_tensor_record(f, r, _where(rank, f), {}) for f, r in o.items()}
+    if any(r.view is None for r in views.values()):
+        raise ShardfmtError(f"{_where(rank, 'views')}: a view record without a view")
+    return views
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,6 +310,20 @@ class RankError:
         return cls(rank=int(o["rank"]), kind=str(o["type"]), message=str(o["error"]))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Failures:
+    """v2, rank 0 to every rank: the failures rank 0 alone gathered (none: go on)."""
+
+    errors: tuple[RankError, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"errors": [e.to_json() for e in self.errors]}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int = 0) -> Failures:
+        return cls(errors=tuple(RankError.from_json(e) for e in o["errors"]))
+
+
 def envelope(rank: int, msg) -> dict:
     """The wire form of a message or a failure."""
     if isinstance(msg, RankError):
@@ -217,5 +338,5 @@ def open_envelope(o: Mapping, decode):
     return decode(o["body"], rank=int(o["rank"]))
 
 
-__all__ = ["Committed", "HeldTensor", "RankError", "RankState", "Staged", "Written", "WrittenFile",
-           "envelope", "open_envelope"]
+__all__ = ["Claim", "Committed", "Failures", "HeldTensor", "RankError", "RankState", "Staged", "Summary", "WritePlan",
+           "Written", "WrittenFile", "envelope", "open_envelope"]

@@ -13,14 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardfmt.errors import StateDictError
+from shardfmt.errors import CommitError, StateDictError
 from shardfmt.format import hashing
 from shardfmt.format.dtypes import itemsize
 from shardfmt.format.manifest import Placement
 from shardfmt.layout.geometry import Box
-from shardfmt.saving.messages import RankState
-
-WriteKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (fqn, offsets, lengths)
+from shardfmt.saving.messages import RankState, WriteKey
 
 
 def assign_writers(states: Sequence[RankState]) -> dict[WriteKey, int]:
@@ -63,18 +61,22 @@ class WriteItem:
 
 def my_items(state: RankState, pieces, writers: dict[WriteKey, int], *, rank: int,
              ready=None) -> list[WriteItem]:
-    """The slices of ``pieces`` (fqn -> [(box, data)]) that the plan gives ``rank`` to write."""
+    """The slices of ``pieces`` (fqn -> [(box, data)]) that ``writers`` (key -> writer rank) give ``rank``."""
     gates = ready or {}
     held = {t.fqn: t for t in state.tensors}
     out = []
     for f, ps in pieces.items():
         for box, data in ps:
-            writer = writers.get((f, box.offsets, box.lengths))
-            if writer is None and box.is_empty():
-                continue  # format v2 stores no box without elements (a rank past the end of a short dim)
-            if writers[(f, box.offsets, box.lengths)] == rank:
+            # v2 plans name only what the rank writes, and store no box without elements
+            if writers.get((f, box.offsets, box.lengths)) == rank:
                 out.append(WriteItem(fqn=f, box=box, global_shape=held[f].shape, placement=held[f].placement,
                                      storage=held[f].storage, data=data, ready=gates.get((f, box))))
+    found = {(it.fqn, it.box.offsets, it.box.lengths) for it in out}
+    lost = sorted(k for k, r in writers.items() if r == rank and k not in found)
+    if lost:  # the plan and what this rank holds disagree: writing less would commit a hole
+        f, offsets, lengths = lost[0]
+        raise CommitError(f"{f}: the write plan gives rank {rank} the box {list(offsets)}+{list(lengths)}, "
+                          f"which it does not hold ({len(lost)} such boxes); nothing was committed")
     return out
 
 
@@ -88,13 +90,18 @@ def auto_chunk_size(box_bytes: Iterable[int], *, format_version: int) -> int:
     verified read of part of a shard stays near the bytes it needs at fine sharding (a job of
     thousands of ranks) and large shards keep 1 MiB chunks (few digests). ``box_bytes``: the
     bytes of every stored box (every rank of a save has the same plan, so all pick alike)."""
-    big = hashing.DEFAULT_CHUNK_SIZE
     if format_version < 2:
-        return big
+        return hashing.DEFAULT_CHUNK_SIZE
     sizes = sorted(n for n in box_bytes if n)
-    if not sizes:
+    return chunk_for_median(sizes[len(sizes) // 2] if sizes else 0)
+
+
+def chunk_for_median(median: int) -> int:
+    """v2's hash chunk for stored boxes of ``median`` bytes (0: none known, 1 MiB)."""
+    big = hashing.DEFAULT_CHUNK_SIZE
+    if not median:
         return big
-    want = sizes[len(sizes) // 2] // CHUNKS_PER_SHARD
+    want = median // CHUNKS_PER_SHARD
     chunk = MIN_AUTO_CHUNK
     while chunk * 2 <= min(want, big):
         chunk *= 2

@@ -7,12 +7,17 @@ world of one has no collectives)::
        boxes (DTensor placements are read off the DTensor), values, per-rank values, aliases
     2) the ranks agree on the step, the destination and the replicated values with one
        all-reduce of a fixed-size vector (``agreement``), before anything is staged
-    3) every rank gathers every rank's ``RankState`` (typed records, never pickle)
-    4) every rank computes the same write plan (``plan.assign_writers``): each distinct
-       (tensor, box) is written exactly once
+    3) v1: every rank gathers every rank's ``RankState`` (typed records, never pickle);
+       v2: every rank claims the tensors its placements derive (``claims``), the ranks
+       all-gather a 16-byte digest of their claims, and rank 0 alone receives each distinct
+       claim list once and every rank's listed boxes (``Summary``)
+    4) v1: every rank computes the same write plan (``plan.assign_writers``); v2: rank 0
+       makes it (``placing.plan_groups``) and broadcasts it (``WritePlan``), each rank derives
+       its part (``placing.rank_writes``). Each distinct (tensor, box) is written exactly once
     5) rank 0 checks the destination and stages the checkpoint (``CheckpointWriter.stage``);
        broadcasts ``Staged``
-    6) every rank streams its file into the staging dir (``shard_file``); gather of ``Written``
+    6) every rank streams its file into the staging dir (``shard_file``), v2 then its rank
+       index; gather of ``Written`` (v2: to rank 0, which tells every rank of a failure)
     7) rank 0 records every file, builds the manifest and publishes it (the commit protocol);
        broadcasts ``Committed``
     8) every rank returns the manifest, or raises the same error naming the failed rank
@@ -25,15 +30,13 @@ timeout rather than as a hang.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
 
 from shardfmt.errors import ShardfmtError, StateDictError
 from shardfmt.format import hashing
-from shardfmt.format.dtypes import itemsize
 from shardfmt.format.manifest import (
     ListedShard,
     Manifest,
@@ -46,12 +49,32 @@ from shardfmt.format.parse import check_step
 from shardfmt.format.tensor_bytes import byte_pieces
 from shardfmt.io.registry import get_storage
 from shardfmt.layout.topology import Mesh, TopologyError
-from shardfmt.saving.agreement import agree, agreement_vector, check_agreement
+from shardfmt.saving.agreement import (
+    Agreement,
+    agree,
+    agreement_vector,
+    check_agreement,
+    value_bucket,
+)
+from shardfmt.saving.claims import Group, claims_digest, first_of_groups, split_claims
 from shardfmt.saving.coordinator import Coordinator
 from shardfmt.saving.describe import Prepared
-from shardfmt.saving.messages import Committed, RankError, RankState, Staged, Written, WrittenFile
+from shardfmt.saving.messages import (
+    Claim,
+    Committed,
+    Failures,
+    HeldTensor,
+    RankError,
+    RankState,
+    Staged,
+    Summary,
+    WriteKey,
+    WritePlan,
+    Written,
+    WrittenFile,
+)
 from shardfmt.saving.options import SaveOptions
-from shardfmt.saving.placing import PlacedPlan, plan_placed
+from shardfmt.saving.placing import PlacedPlan, plan_groups, rank_writes
 from shardfmt.saving.plan import WriteItem, assign_writers, auto_chunk_size, my_items
 from shardfmt.saving.rank_index import write_rank_index
 from shardfmt.saving.shard_file import (
@@ -77,23 +100,79 @@ def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: Save
     topology = _topology(options.mesh, coord)
     if storage is None:
         storage, path = get_storage(path, options.storage_options)
-    run = _Run(prepared=prepared, snapshot=snapshot, coord=coord, options=options, storage=storage, path=path)
-    states = run.gather(run.agree(step))
-    plan = plan_placed(states, topology) if options.format_version >= 2 else None
-    writers = assign_writers(states) if plan is None else plan.writers
-    if options.chunk_size is None:  # the same on every rank: every rank has the same plan
-        isz = {t.fqn: itemsize(t.dtype) for s in states for t in s.tensors}
-        sizes = (math.prod(lengths) * isz[fqn] for fqn, _, lengths in writers)
-        run.options = options = dataclasses.replace(options, chunk_size=auto_chunk_size(
-            sizes, format_version=options.format_version))
+    run = _Run(prepared=prepared, snapshot=snapshot, coord=coord, options=options, storage=storage, path=path,
+               topology=topology)
+    state = run.agree(step)
+    if options.format_version >= 2:
+        return _save_v2(run, state, topology, step=step, metadata=metadata)
+    states = [_without_flat(s) for s in run.gather(state)]
+    writers = assign_writers(states)
+    if options.chunk_size is None:
+        run.options = dataclasses.replace(options, chunk_size=auto_chunk_size((), format_version=1))
     writer = run.stage()
     try:
-        written = run.write(writers, states)
-        return run.commit(writer, states, written, plan, step=step, metadata=metadata, topology=topology)
+        written = run.write(states[coord.rank], writers, Written.decoder(_records(states)), coord.gather)
+        return run.commit(writer, lambda: _commit(writer, states, [w.file for w in written if w.file is not None],
+                                                  step=step, metadata=metadata, topology=topology))
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
+
+
+def _save_v2(run: _Run, state: RankState | RankError, topology: Topology, *, step: int | None,
+             metadata: Any) -> Manifest:
+    """Format v2 at any N: no rank but 0 receives another rank's description, and rank 0
+    receives each distinct claim list once (``claims``); every rank derives what it writes
+    from the plan rank 0 broadcasts, whose size follows the tensors, not the ranks."""
+    coord = run.coord
+    summaries = coord.gather_to_root(run.summarize(state, topology), Summary.from_json, "gathering save plans")
+    full, msg = None, None
+    if coord.rank == 0:
+        full, msg = plan_at_root(summaries, run.groups, topology, world=coord.world,
+                                 check_replicas=run.options.check_replicas)
+    plan = coord.broadcast(msg, WritePlan.from_json, "planning the save")
+    coord.raise_failures(plan.failures, "describing the state")
+    if run.options.chunk_size is None:  # the same on every rank: rank 0 picked it
+        run.options = dataclasses.replace(run.options, chunk_size=plan.chunk_size)
+    writer = run.stage()
+    try:
+        mine = rank_writes(plan.placed, plan.listed, state, topology)
+        written = run.write(state, mine, Written.decoder({}), coord.gather_to_root)
+        return run.commit(writer, lambda: commit_v2(writer, full, summaries, written, step=step, metadata=metadata,
+                                                     topology=topology))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+
+
+def summary_of(state: RankState, claims: tuple[Claim, ...], listed: tuple[HeldTensor, ...], *,
+               groups: Mapping[int, tuple[int, ...]], differing: frozenset[int]) -> Summary:
+    """What ``state.rank`` sends rank 0 (pure): its claims if it is the first of its group,
+    its listed tensors, and, past rank 0, only the values in buckets the ranks disagree on."""
+    rank = state.rank
+    values = state.values if rank == 0 else {f: v for f, v in state.values.items() if value_bucket(f) in differing}
+    return Summary(rank=rank, claims=claims if rank in groups else None, listed=listed, aliases=state.aliases,
+                   views=state.views, values=values, per_rank=tuple(state.per_rank),
+                   replica_digests=state.replica_digests)
+
+
+def plan_at_root(summaries: Sequence[Summary | RankError], groups: Mapping[int, tuple[int, ...]],
+                 topology: Topology, *, world: int, check_replicas: bool) -> tuple[PlacedPlan | None, WritePlan]:
+    """Rank 0 (pure): the plan of every rank's summary, or the failures that stop the save."""
+    failures = tuple(s for s in summaries if isinstance(s, RankError))
+    if failures:
+        return None, WritePlan(failures=failures)
+    try:
+        if check_replicas:
+            _check_replicas(summaries)
+        claimed = [Group(ranks=groups[s.rank], claims=s.claims) for s in summaries if s.claims is not None]
+        listed = [(s.rank, t) for s in summaries for t in s.listed]
+        plan = plan_groups(claimed, listed, topology, world=world)
+    except Exception as e:  # noqa: BLE001 - any failure here must reach every rank, not leave them waiting
+        return None, WritePlan(failures=(RankError.of(0, e),))
+    return plan, WritePlan(placed=plan.placed, listed=plan.listed, chunk_size=plan.chunk_size)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -106,7 +185,10 @@ class _Run:
     options: SaveOptions
     storage: Any
     path: str
+    topology: Topology
     staged: Staged | None = None
+    agreement: Agreement | None = None
+    groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # v2: first rank -> its group
 
     def agree(self, step: int | None) -> RankState | RankError:
         """2) Agree on the step, the destination and the replicated values; return this rank's message."""
@@ -118,8 +200,10 @@ class _Run:
                 state = RankError.of(rank, e)
         url = self.storage.url(self.path)
         values = state.values if isinstance(state, RankState) else {}
-        vector = agreement_vector(failed=isinstance(state, RankError), step=step, url=url, values=values)
-        check_agreement(agree(vector, self.coord), rank=rank, step=step, url=url, values=values,
+        vector = agreement_vector(failed=isinstance(state, RankError), step=step, url=url, values=values,
+                                  mesh=repr(self.topology.mesh))
+        self.agreement = agree(vector, self.coord)
+        check_agreement(self.agreement, rank=rank, step=step, url=url, values=values,
                         check_replicas=self.options.check_replicas)
         return state
 
@@ -132,6 +216,20 @@ class _Run:
         if self.options.check_replicas:
             _check_replicas(states)
         return states
+
+    def summarize(self, state: RankState | RankError, topology: Topology) -> Summary | RankError:
+        """v2's 3): claim what this rank can, learn the groups (one all-gather of 16 bytes a rank);
+        the first rank of each group sends its claims, every rank its listed tensors."""
+        claims, listed = split_claims(state, topology) if isinstance(state, RankState) else ((), ())
+        digests = self.coord.all_gather_ints(claims_digest(claims), "grouping the ranks by what they hold")
+        self.groups = first_of_groups(digests)
+        if isinstance(state, RankError):
+            return state
+        if self.options.check_replicas:
+            state = self._with_replica_digests(state)
+            if isinstance(state, RankError):
+                return state
+        return summary_of(state, claims, listed, groups=self.groups, differing=self.agreement.differing)
 
     def _with_replica_digests(self, state: RankState) -> RankState | RankError:
         if self.snapshot is not None:  # the digests need the data
@@ -159,13 +257,14 @@ class _Run:
         self.staged = staged
         return writer
 
-    def write(self, writers, states: list[RankState]) -> list[Written]:
-        """6) Write this rank's file into the staging dir; gather what every rank wrote."""
+    def write(self, state: RankState, writers: Mapping[WriteKey, int], decode, gather) -> list[Written] | None:
+        """6) Write this rank's file into the staging dir; ``gather`` what every rank wrote
+        (v1: to every rank; v2: to rank 0, the others get None)."""
         rank, opts = self.coord.rank, self.options
         try:
             if self.snapshot is not None:
                 self.prepared = self.snapshot()
-            items = my_items(states[rank], self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
+            items = my_items(state, self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
             file = None
             if items:
                 name = rank_file_name(rank, None, self.staged.name_tag)
@@ -175,11 +274,15 @@ class _Run:
                                         part_size=opts.part_size, aligned=opts.format_version >= 2)
             # A snapshot counts only whole: pieces other ranks write must have been copied here too.
             self.prepared.wait_ready()
-            msg: Written | RankError = self._written(file, states[rank])
+            msg: Written | RankError = self._written(file, state)
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
-        results = self.coord.gather(msg, Written.decoder(_records(states)), "gathering write results")
-        self.coord.raise_failures(results, "writing shard files")
+        results = gather(msg, decode, "gathering write results")
+        failed = [] if results is None else [r for r in results if isinstance(r, RankError)]
+        if self.options.format_version >= 2:
+            failed = self.coord.broadcast(Failures(errors=tuple(failed)) if rank == 0 else None, Failures.from_json,
+                                          "gathering write results").errors
+        self.coord.raise_failures(failed, "writing shard files")
         return results
 
     def _written(self, file: WrittenFile | None, state: RankState) -> Written:
@@ -193,22 +296,27 @@ class _Run:
                                  values=dict(state.per_rank))
         return Written(index=entry, names=() if file is None else (file.name,))
 
-    def commit(self, writer: CheckpointWriter | None, states: list[RankState], written: list[Written],
-               plan: PlacedPlan | None, *, step: int | None, metadata: Any, topology: Topology) -> Manifest:
-        """7) Rank 0 records every file and commits; every rank gets the manifest (or the error)."""
+    def commit(self, writer: CheckpointWriter | None, build: Callable[[], Manifest]) -> Manifest:
+        """7) Rank 0 records every file and commits (``build``); every rank gets the manifest (or the error)."""
         msg = None
         if self.coord.rank == 0:
             try:
-                if plan is not None:
-                    _record_v2(writer, states, written, plan)
-                msg = Committed(manifest=_commit(writer, states, [w.file for w in written if w.file is not None],
-                                                 step=step, metadata=metadata, topology=topology))
+                msg = Committed(manifest=build())
             except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
                 writer.abort()
                 msg = RankError.of(0, e)
         outcome = self.coord.broadcast(msg, Committed.from_json, "committing")
         self.coord.raise_failures([outcome], "committing")
         return outcome.manifest
+
+
+def _without_flat(state: RankState) -> RankState:
+    """Format v1 has no flat placement entry: such tensors are stored by their boxes alone."""
+    if not any(t.placement is not None and any(p[0] == "flat" for p in t.placement.placements) for t in state.tensors):
+        return state
+    return dataclasses.replace(state, tensors=tuple(
+        dataclasses.replace(t, placement=None) if t.placement is not None and any(
+            p[0] == "flat" for p in t.placement.placements) else t for t in state.tensors))
 
 
 def _shard_data(items: list[WriteItem]) -> list[ShardData]:
@@ -236,18 +344,14 @@ def _commit(writer: CheckpointWriter, states: list[RankState], files: list[Writt
     return writer.commit(step=step, metadata=metadata, topology=topology)
 
 
-def _record_v2(writer: CheckpointWriter, states: list[RankState], written: list[Written], plan: PlacedPlan) -> None:
-    """v2: what rank 0 records of what the others wrote: each tensor by its placement or by its
-    listed boxes with their writers (the plan every rank followed), and each rank's index."""
-    held = {}
-    for s in states:
-        for t in s.tensors:
-            held.setdefault(t.fqn, t)
+def commit_v2(writer: CheckpointWriter, plan: PlacedPlan, summaries: list[Summary], written: list[Written], *,
+               step: int | None, metadata: Any, topology: Topology) -> Manifest:
+    """v2: record each tensor by its placement or by its listed boxes with their writers (the
+    plan every rank followed), each rank's index, the other records; then publish."""
     listed: dict[str, list[ListedShard]] = {}
-    for (fqn, offsets, lengths), rank in plan.writers.items():
-        if fqn not in plan.placed:
-            listed.setdefault(fqn, []).append(ListedShard(offsets=offsets, lengths=lengths, rank=rank))
-    for fqn, t in sorted(held.items()):
+    for (fqn, offsets, lengths), rank in plan.listed.items():
+        listed.setdefault(fqn, []).append(ListedShard(offsets=offsets, lengths=lengths, rank=rank))
+    for fqn, t in sorted(plan.records.items()):
         if fqn in plan.placed:
             writer.place(fqn, t.dtype, t.shape, plan.placed[fqn], storage=t.storage)
         else:
@@ -255,9 +359,11 @@ def _record_v2(writer: CheckpointWriter, states: list[RankState], written: list[
     for rank, w in enumerate(written):
         if w.index is not None:
             writer.add_rank_entry(rank, w.index, files=w.names)
+    _add_records(writer, summaries)
+    return writer.commit(step=step, metadata=metadata, topology=topology)
 
 
-def _add_records(writer: CheckpointWriter, states: list[RankState]) -> None:
+def _add_records(writer: CheckpointWriter, states: Sequence[RankState | Summary]) -> None:
     aliases: dict[str, str] = {}
     views: dict[str, TensorRecord] = {}
     values: dict[str, Any] = {}
@@ -270,8 +376,8 @@ def _add_records(writer: CheckpointWriter, states: list[RankState]) -> None:
             views.setdefault(f, v)
         for f, v in s.values.items():
             values.setdefault(f, v)
-        for f, v in s.per_rank.items():
-            per_rank.setdefault(f, {})[s.rank] = v
+        for f in s.per_rank:  # v2 summaries name them: each rank wrote its own into its index
+            per_rank.setdefault(f, {})[s.rank] = s.per_rank[f] if isinstance(s.per_rank, Mapping) else None
     for f, t in aliases.items():
         writer.add_alias(f, t)
     for f, rec in views.items():
@@ -289,7 +395,7 @@ def _digest_tensor(t) -> str:
     return hashing.format_digest(h.digest())
 
 
-def _check_replicas(states: list[RankState]) -> None:
+def _check_replicas(states: Sequence[RankState | Summary]) -> None:
     """Replicated tensor pieces must hold the same bytes on every rank (values: step 2)."""
     ref: dict[str, tuple[int, str]] = {}
     for s in states:

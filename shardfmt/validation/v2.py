@@ -28,7 +28,7 @@ from shardfmt.format.safetensors import (
 )
 from shardfmt.io.store import Storage
 from shardfmt.layout.geometry import Box
-from shardfmt.layout.placed import written_by
+from shardfmt.layout.placed import placed_plan, plan_writes
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import layout_from_record
 from shardfmt.loading.resolve import read_vouched
@@ -47,6 +47,7 @@ class _Tally:
         self.listed: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], int]] = {}
         self.listed_found: set[tuple[str, tuple[int, ...]]] = set()
         self.per_rank = {f for f, v in m.values.items() if v.indexed}
+        self.plans: dict[str, object] = {}  # placed records' (layout.placed.placed_plan), built once, not per file
         for table in (m.tensors, m.storages):
             for fqn, rec in table.items():
                 for s in rec.listed or ():
@@ -55,6 +56,12 @@ class _Tally:
     def record(self, fqn: str) -> TensorRecord | None:
         rec = self.m.tensors.get(fqn) or self.m.storages.get(fqn)
         return rec if rec is not None and rec.stored else None
+
+    def plan(self, fqn: str, rec: TensorRecord):
+        plan = self.plans.get(fqn)
+        if plan is None:
+            plan = self.plans[fqn] = placed_plan(rec.shape, layout_from_record(rec.placed.placement), self.m.topology.mesh)
+        return plan
 
 
 def check_v2(storage: Storage, path: str, m: Manifest, problems: list[Problem], *, deep: bool,
@@ -184,7 +191,6 @@ def _check_entries(name: str, header: DecodedHeader, rank: int, tally: _Tally, s
     except ShardfmtError as e:
         problems.append(Problem(code="header", file=name, message=str(e)))
         return
-    m = tally.m
     for key, e in sorted(header.entries.items()):
         o = origins.get(key)
         rec = None if o is None else tally.record(o.fqn)
@@ -204,8 +210,7 @@ def _check_entries(name: str, header: DecodedHeader, rank: int, tally: _Tally, s
                                             f"manifest records {rec.dtype} {list(rec.shape)}"))
             continue
         if rec.placed is not None:
-            layout = layout_from_record(rec.placed.placement)
-            mine = {hb.box for hb in written_by(rec.shape, layout, m.topology.mesh, writer=rec.placed.writer, rank=rank)}
+            mine = {hb.box for hb in plan_writes(tally.plan(fqn, rec), writer=rec.placed.writer, rank=rank)}
             if box not in mine:
                 problems.append(Problem(code="header", file=name, tensor=fqn,
                                         message=f"box {list(box.offsets)}+{list(box.lengths)} is not one rank {rank} "

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import shardfmt
-from benchmarks.scale import sim_v1
+from benchmarks.scale import sim_v1, v2
 from benchmarks.scale.layouts import LAYOUTS, LR, Model
 from shardfmt.saving.describe import describe
 from tests.distributed.workers import job, main
@@ -88,6 +88,8 @@ def scale_fsdp_tp(rank, world, args):
     state = shardfmt.get_state_dict(model, opt)
     held, _ = describe(state, rank)
     shardfmt.save(state, args["path"], step=sim_v1.STEP, options=sim_v1.save_options(sim))
+    if "path_v2" in args:  # the chunk left to the save, as a user's save leaves it
+        shardfmt.save(state, args["path_v2"], step=sim_v1.STEP, options=v2.save_options(sim, None))
     return {"state": held.to_json(),
             "placements": {k: [repr(p) for p in v.placements] for k, v in state["model"].items()}}
 

@@ -624,6 +624,34 @@ def hf_llama_tp_pp(rank, world, args):
     return out
 
 
+@job
+def flat_save(rank, world, args):
+    """Each rank saves its flat partitions (``tests.test_flat_shard``): ZeRO-3 or ZeRO-1/2."""
+    from tests import test_flat_shard as flat
+
+    name, _, placed = args["kind"].partition("_")
+    kind = {"zero3": flat.zero3, "zero12": flat.zero12}[name]
+    state = kind(flat.truth(), rank, world, mesh_dim="dp" if placed else None)
+    shardfmt.save(state, args["path"], step=1, mesh={"dp": world} if placed else None)
+    return {}
+
+
+@job
+def flat_load_dtensor(rank, world, args):
+    """Load the flat partitions' checkpoint into DTensors sharded on their last dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from tests import test_flat_shard as flat
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    full = flat.truth()
+    targets = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(t.dim() - 1)] if t.dim() else [Replicate()])
+               for k, t in full.items()}
+    shardfmt.load(targets, args["path"])
+    return {"equal": sorted(k for k, t in targets.items() if torch.equal(t.full_tensor(), full[k]))}
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)

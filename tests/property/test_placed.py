@@ -10,6 +10,7 @@ writers and boxes without that loop: a world of 2^24 ranks answers at once, and 
 from __future__ import annotations
 
 import collections
+import math
 import time
 
 import pytest
@@ -21,12 +22,14 @@ from shardfmt.layout.geometry import Box, intersect
 from shardfmt.layout.placed import SavedPiece, check_placed, saved_pieces, writer_rank, written_by
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import (
+    Flat,
     Layout,
     Mesh,
     Replicate,
     Shard,
     StridedShard,
     TopologyError,
+    chunk_range,
     held_boxes,
 )
 
@@ -74,8 +77,44 @@ def placed_cases(draw):
     return shape, Layout(tuple(used), tuple(places), stage=stage), mesh, writer, want
 
 
+@st.composite
+def flat_cases(draw):
+    """A ``Flat`` entry (ZeRO) last, after shard or replicate entries, its pieces just long
+    enough (or longer) to reach the last element of the largest box the shards leave."""
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(0, 7)) for _ in range(ndim))
+    names = draw(st.lists(st.sampled_from(["pp", "dp", "tp", "cp"]), min_size=1, max_size=3, unique=True))
+    mesh = Mesh(tuple((n, draw(st.integers(1, 4))) for n in names))
+    order = draw(st.permutations(names))
+    flat_dim, before = order[-1], [n for n in order[:-1] if draw(st.booleans())]
+    places = [draw(st.sampled_from([Replicate(), Shard(draw(st.integers(0, ndim - 1)))])) for _ in before]
+    largest = list(shape)
+    for n, p in zip(before, places):
+        if isinstance(p, Shard):
+            largest[p.dim] = chunk_range(largest[p.dim], mesh.size(n), 0)[1]
+    numel, k = math.prod(largest), mesh.size(flat_dim)
+    offset = draw(st.integers(0, 5))
+    part = max(1, -(-(offset + numel) // k)) + draw(st.integers(0, 2))
+    used, places = [*before, flat_dim], [*places, Flat(offset, part)]
+    if draw(st.booleans()):  # a replicate entry may follow the flat one
+        rest = [n for n in names if n not in used]
+        if rest:
+            used, places = [*used, rest[0]], [*places, Replicate()]
+    writer = draw(st.integers(0, 20))
+    offsets = [draw(st.integers(0, n)) for n in shape]
+    ends = [draw(st.integers(o, n)) for n, o in zip(shape, offsets)]
+    want = Box.full(shape) if draw(st.booleans()) else Box(tuple(offsets), tuple(e - o for o, e in zip(offsets, ends)))
+    layout = Layout(tuple(used), tuple(places))
+    check_placed(shape, layout, mesh, writer=writer)
+    return shape, layout, mesh, writer, want
+
+
+def cases():
+    return st.one_of(placed_cases(), flat_cases())
+
+
 @settings(max_examples=examples(600), deadline=None)
-@given(case=placed_cases())
+@given(case=cases())
 def test_saved_pieces_are_the_stored_boxes_a_box_overlaps(case):
     shape, layout, mesh, writer, want = case
     stored = stored_boxes(shape, layout, mesh, writer)
@@ -90,7 +129,7 @@ def test_saved_pieces_are_the_stored_boxes_a_box_overlaps(case):
 
 
 @settings(max_examples=examples(400), deadline=None)
-@given(case=placed_cases())
+@given(case=cases())
 def test_every_stored_box_is_written_once_by_its_writer(case):
     shape, layout, mesh, writer, _ = case
     stored = stored_boxes(shape, layout, mesh, writer)
@@ -104,7 +143,7 @@ def test_every_stored_box_is_written_once_by_its_writer(case):
 
 
 @settings(max_examples=examples(300), deadline=None)
-@given(case=placed_cases())
+@given(case=cases())
 def test_writer_rank_names_the_writer_of_the_ranks_group(case):
     shape, layout, mesh, writer, _ = case
     stored = stored_boxes(shape, layout, mesh, writer)
@@ -160,6 +199,12 @@ def test_spec_example_and_edge_cases():
     (Layout(("tp",), (Shard(0),)), -1, "writer -1"),
     (Layout(("tp",), (Shard(0),)), True, "writer True"),
     (Layout(("tp",), (Shard(0),)), 1.0, "writer 1.0"),
+    (Layout(("dp", "tp"), (Flat(0, 16), Shard(1))), 0, "flat entry must be the only one and come after"),
+    (Layout(("dp", "tp"), (Flat(0, 16), Flat(0, 16))), 0, "flat entry must be the only one"),
+    (Layout(("tp", "dp"), (StridedShard(0, 2), Flat(0, 16))), 0, "cannot follow a strided shard"),
+    (Layout(("dp",), (Flat(0, 15),)), 0, "2 pieces of 15 elements from offset 0 do not reach the last of 32"),
+    (Layout(("tp", "dp"), (Shard(1), Flat(1, 8))), 0, "2 pieces of 8 elements from offset 1 do not reach the last of 16"),
+    (Layout(("dp",), (Flat(0, 0),)), 0, "part 0"),
 ])
 def test_bad_placements_raise_topology_errors(layout, writer, message):
     mesh = (("pp", 2), ("dp", 2), ("tp", 2))
