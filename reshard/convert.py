@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -72,8 +72,8 @@ from reshard.stream.memory import (
     window_capacity,
 )
 from reshard.stream.plan import plan_windows
-from reshard.stream.records import Piece, Window
-from reshard.stream.run import Buffers, Progress, Source, StreamStats, run_windows, verify_headers
+from reshard.stream.records import Piece
+from reshard.stream.run import Buffers, Progress, Source, StreamStats, run_windows, verify_source
 from shardfmt.errors import CommitError, IntegrityError, StateDictError
 
 DEFAULT_MAX_OPEN_FILES = 256
@@ -156,28 +156,55 @@ def plan_convert(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
             for r in sorted(mine)]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlacedFiles:
+    """Format 2's plan of a convert: each record's ``Placed`` and layout; the ranks' files are
+    derived a batch of ranks at a time (``files``), so its memory follows a batch, not the
+    job (4.7 M shards at 4096 ranks of the 8B layout)."""
+
+    m: Manifest
+    mesh: Mesh
+    layouts: Mapping[str, Layout]
+    dtypes: Mapping[str, torch.dtype]
+    placed: Mapping[str, Placed]
+
+    def files(self, ranks: range) -> list[RankFile]:
+        """The files of ``ranks`` (a rank that writes nothing has none), in rank order."""
+        out = []
+        for rank in ranks:
+            mine = [ShardSpec(fqn=fqn, dtype=self.dtypes[fqn], shape=tuple(hb.box.lengths), global_shape=shape,
+                              offsets=tuple(hb.box.offsets), placement=None if storage else p.placement)
+                    for fqn, p, shape, storage in self._records()
+                    for hb in written_by(shape, self.layouts[fqn], self.mesh.dims, writer=p.writer, rank=rank)]
+            if mine:
+                out.append(RankFile(rank=rank, shards=tuple(file_order(mine)),
+                                    storages=frozenset(s.fqn for s in mine if s.fqn in self.m.storages)))
+        return out
+
+    def shard_bytes(self) -> Iterator[int]:
+        """The bytes of every shard of every rank (what picks the hash chunk), none kept."""
+        for rank in range(self.mesh.world_size):
+            for fqn, p, shape, _ in self._records():
+                isz = self.dtypes[fqn].itemsize
+                for hb in written_by(shape, self.layouts[fqn], self.mesh.dims, writer=p.writer, rank=rank):
+                    yield math.prod(hb.box.lengths) * isz
+
+    def _records(self):
+        return ((fqn, p, tuple(self.m.tensor(fqn).shape), fqn in self.m.storages) for fqn, p in self.placed.items())
+
+
 def plan_placed_files(m: Manifest, mesh: Mesh, layouts: Mapping[str, Layout],
-                      dtypes: Mapping[str, torch.dtype]) -> tuple[list[RankFile], dict[str, Placed]]:
+                      dtypes: Mapping[str, torch.dtype]) -> PlacedFiles:
     """Format 2's plan: every stored record is placed on ``mesh`` by its layout (storages, which
     views load whole, replicated), and each replica group's member ``writer mod G`` writes its
-    boxes (spec section 4.3), ``writer`` counting up over the records, largest first. Returns
-    every new rank's file and each record's ``Placed``: the root lists no box."""
+    boxes (spec section 4.3), ``writer`` counting up over the records, largest first. The root
+    lists no box; the files are derived by batch (``PlacedFiles.files``)."""
     records = {name: rec for name, rec in list(m.tensors.items()) + list(m.storages.items())
                if rec.alias_of is None and rec.view is None}
     lay = {name: (Layout((), ()) if name in m.storages else layouts[name]) for name in records}
     order = sorted(records, key=lambda f: (-math.prod(records[f].shape) * dtypes[f].itemsize, f))
     placed = {f: Placed(placement=placement_record(lay[f]), writer=k) for k, f in enumerate(order)}
-    mine: dict[int, list[ShardSpec]] = {}
-    for fqn in order:
-        rec, storage = records[fqn], fqn in m.storages
-        for rank in range(mesh.world_size):
-            for hb in written_by(rec.shape, lay[fqn], mesh.dims, writer=placed[fqn].writer, rank=rank):
-                mine.setdefault(rank, []).append(ShardSpec(
-                    fqn=fqn, dtype=dtypes[fqn], shape=tuple(hb.box.lengths), global_shape=tuple(rec.shape),
-                    offsets=tuple(hb.box.offsets), placement=None if storage else placed[fqn].placement))
-    files = [RankFile(rank=r, shards=tuple(file_order(mine[r])),
-                      storages=frozenset(s.fqn for s in mine[r] if s.fqn in m.storages)) for r in sorted(mine)]
-    return files, placed
+    return PlacedFiles(m=m, mesh=mesh, layouts=lay, dtypes=dtypes, placed=placed)
 
 
 def pieces_of(files: Sequence[RankFile]) -> tuple[list[Piece], list[list[int]]]:
@@ -246,34 +273,38 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     aliases = dict(aliases or {})
     dtypes = {name: out_dtype(rec.dtype, cast) for name, rec in list(m.tensors.items()) + list(m.storages.items())
               if rec.alias_of is None and rec.view is None}
-    placed: dict[str, Placed] = {}
-    if format_version >= 2 and record_placements:
-        files, placed = plan_placed_files(m, mesh, layouts, dtypes)
-    else:
-        files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
-    pieces, units = pieces_of(files)
     dst_storage, dst_path = get_storage(dst, storage_options)
     if max_open_files is None:
         max_open_files = 1 if dst_storage.remote else DEFAULT_MAX_OPEN_FILES
+    placed: Mapping[str, Placed] = {}
+    if format_version >= 2 and record_placements:
+        plan = plan_placed_files(m, mesh, layouts, dtypes)
+        placed = plan.placed
+        batches = (plan.files(range(i, min(i + max_open_files, mesh.world_size)))
+                   for i in range(0, mesh.world_size, max_open_files))
+        shard_bytes = plan.shard_bytes()
+    else:
+        files = plan_convert(m, mesh, layouts, dtypes, record_placements=record_placements)
+        batches = (files[i:i + max_open_files] for i in range(0, len(files), max_open_files))
+        shard_bytes = (s.nbytes for f in files for s in f.shards)
     data_budget = fit_uploads(dst_storage, memory_budget) if max_open_files == 1 else memory_budget
     mem = memory_plan(data_budget, chunk_size=m.chunk_size, verify=source.verify,
                       workers=min(4, source.storage.read_concurrency))
-    groups = [list(range(i, min(i + max_open_files, len(files)))) for i in range(0, len(files), max_open_files)]
-    plans = _plan_groups(pieces, units, groups, {name: m.tensor(name).shape for name in dtypes}, mem)
-    verify_headers(source, pieces)
+    verify_source(source, dtypes)
 
     check = _staged_check(m, cast, deep=deep_validate, extra_aliases=set(aliases), expect_values=set(values))
     if chunk_size is None:  # v2: fitted to the new shards (the source's may be far larger or smaller)
-        chunk_size = auto_chunk_size((s.nbytes for f in files for s in f.shards), format_version=format_version) \
+        chunk_size = auto_chunk_size(shard_bytes, format_version=format_version) \
             if format_version >= 2 else m.chunk_size
     writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
                               chunk_size=chunk_size, check_staged=check, format_version=format_version)
     for fqn, p in placed.items():
         rec = m.tensor(fqn)
         writer.place(fqn, dtype_code(dtypes[fqn], what=fqn), tuple(rec.shape), p, storage=fqn in m.storages)
-    bar = Progress(sum(f.nbytes for f in files), desc, progress)
+    shapes = {name: m.tensor(name).shape for name in dtypes}
+    bar = Progress(sum(math.prod(shapes[n]) * dt.itemsize for n, dt in dtypes.items()), desc, progress)
     try:
-        written, windows = _stream_groups(source, writer, files, pieces, list(zip(groups, plans)), mem, bar)
+        written, windows, nfiles = _stream_batches(source, writer, batches, shapes, mem, bar)
         _add_records(writer, m, cast, aliases, values)
         manifest = writer.commit(step=step, metadata=metadata, topology=topology)
     except BaseException:
@@ -285,50 +316,40 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
     return manifest, StreamStats(windows=windows, bytes_written=written,
                                  bytes_read=after["bytes_read"] - before["bytes_read"],
                                  read_requests=after["read_requests"] - before["read_requests"],
-                                 seconds=time.perf_counter() - t0), len(files)
+                                 seconds=time.perf_counter() - t0), nfiles
 
 
-def _plan_groups(pieces: Sequence[Piece], units: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
-                 shapes: Mapping[str, Sequence[int]], mem: MemoryPlan) -> list[list[Window]]:
-    """The windows of each group of files (the files open at once), in order."""
-    plans = []
-    for g in groups:
-        keep = set(g)
-        gunits = [[i for i in u if pieces[i].file in keep] for u in units]
-        capacity = window_capacity(mem, sum(pieces[i].buffer_bytes for u in gunits for i in u))
-        plans.append(plan_windows(pieces, [u for u in gunits if u], shapes, capacity=capacity))
-    return plans
-
-
-def _stream_groups(source: Source, writer: CheckpointWriter, files: Sequence[RankFile], pieces: Sequence[Piece],
-                   plans: Sequence[tuple[Sequence[int], Sequence[Window]]], mem: MemoryPlan,
-                   bar: Progress) -> tuple[int, int]:
-    """Open each group's files on ``writer``, stream its windows into them, close them; return
-    (bytes written, windows). On failure, the open files are aborted."""
-    need = max((w.nbytes for _, ws in plans for w in ws), default=0)
+def _stream_batches(source: Source, writer: CheckpointWriter, batches: Iterable[Sequence[RankFile]],
+                    shapes: Mapping[str, Sequence[int]], mem: MemoryPlan, bar: Progress) -> tuple[int, int, int]:
+    """Open each batch's files on ``writer`` (the files open at once), plan and stream its
+    windows into them, close them; return (bytes written, windows, files). On failure, the open
+    files are aborted. One batch's plan is held at a time."""
     streams: dict[int, Any] = {}
-    written = windows = 0
+    written = windows = nfiles = 0
     try:
-        buffers = Buffers(mem, need=need)
+        buffers = Buffers(mem, need=mem.window)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-hash") as hash_pool:
-            for g, ws in plans:
-                for f in g:
-                    rf = files[f]
+            for files in batches:
+                pieces, units = pieces_of(files)
+                capacity = window_capacity(mem, sum(p.buffer_bytes for p in pieces))
+                ws = plan_windows(pieces, [u for u in units if u], shapes, capacity=capacity)
+                for f, rf in enumerate(files):
                     tensors = [s for s in rf.shards if s.fqn not in rf.storages]
                     stores = [s for s in rf.shards if s.fqn in rf.storages]
                     streams[f] = writer.stream_rank(rf.rank, tensors, storages=stores, hash_pool=hash_pool)
                     if streams[f].specs != rf.shards:
                         raise CommitError(f"internal: rank {rf.rank}'s file order differs from the plan")
                 stats = run_windows(source, pieces, ws, streams, buffers, progress=bar)
-                for f in g:
+                for f in range(len(files)):
                     streams.pop(f).close()
                 written += stats.bytes_written
                 windows += stats.windows
+                nfiles += len(files)
     except BaseException:
         for s in streams.values():
             s.abort()
         raise
-    return written, windows
+    return written, windows, nfiles
 
 
 def _add_records(writer: CheckpointWriter, m: Manifest, cast: torch.dtype | None, aliases: Mapping[str, str],
@@ -417,5 +438,5 @@ def _carried_values(m: Manifest, mesh: Mesh, per_rank: str) -> tuple[dict[str, V
     return values, dropped
 
 
-__all__ = ["ConvertReport", "RankFile", "convert", "plan_convert", "plan_placed_files", "stored_records",
+__all__ = ["ConvertReport", "PlacedFiles", "RankFile", "convert", "plan_convert", "plan_placed_files", "stored_records",
            "write_checkpoint"]

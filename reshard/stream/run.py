@@ -185,9 +185,14 @@ def _cancel(fut) -> None:
 
 def verify_headers(source: Source, pieces: Sequence[Piece]) -> None:
     """Check the header of every source file the pieces read from, once, before any data."""
+    verify_source(source, (p.src for p in pieces))
+
+
+def verify_source(source: Source, records) -> None:
+    """Check the header of every source file the ``records`` (names) are read from, once."""
     if source.verify:
-        check_headers(source.storage, source.path, source.manifest,
-                      source_shards(source.manifest, (p.src for p in pieces)))
+        check_headers(source.storage, source.path, source.manifest, source_shards(source.manifest, records))
 
 
-__all__ = ["Buffers", "Progress", "Sink", "Source", "StreamStats", "fill_window", "run_windows", "verify_headers"]
+__all__ = ["Buffers", "Progress", "Sink", "Source", "StreamStats", "fill_window", "run_windows", "verify_headers",
+           "verify_source"]
