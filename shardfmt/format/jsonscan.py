@@ -301,13 +301,7 @@ def _separators(arr: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray, in
     pos = first
     while pos < len(arr):
         blk = arr[pos:pos + SCAN_BLOCK]
-        quote = (blk == _QUOTE).view(np.uint8)
-        bs = blk == _BS
-        if run or bs.any():
-            quote = quote & ~_escaped(bs, run)
-            run = _trailing_run(bs, run)
-        after = np.bitwise_xor.accumulate(quote) ^ in_str  # inside a string after each byte
-        outside = (after | quote) == 0  # neither in a string nor a quote
+        after, outside, run = _strings(blk, in_str, run)
         d = np.cumsum(_STEP[blk] * outside, dtype=np.int32) + depth
         here = outside & (d == 1)
         closed = np.flatnonzero(d <= 0)
@@ -328,17 +322,23 @@ def bracket_depth(buf: bytes) -> int:
     in_str, run, depth, deepest = 0, 0, 0, 0
     for pos in range(0, len(arr), SCAN_BLOCK):
         blk = arr[pos:pos + SCAN_BLOCK]
-        quote = (blk == _QUOTE).view(np.uint8)
-        bs = blk == _BS
-        if run or bs.any():
-            quote = quote & ~_escaped(bs, run)
-            run = _trailing_run(bs, run)
-        after = np.bitwise_xor.accumulate(quote) ^ in_str
-        outside = (after | quote) == 0
+        after, outside, run = _strings(blk, in_str, run)
         d = np.cumsum(_STEP[blk] * outside, dtype=np.int32) + depth
         deepest = max(deepest, int(d.max()))
         in_str, depth = int(after[-1]), int(d[-1])
     return deepest
+
+
+def _strings(blk: np.ndarray, in_str: int, run: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(inside a string after each byte, neither in a string nor a quote, the backslashes ending
+    the block) of a block, given whether it starts inside a string and the backslashes before it."""
+    quote = (blk == _QUOTE).view(np.uint8)
+    bs = blk == _BS
+    if run or bs.any():
+        quote = quote & ~_escaped(bs, run)
+        run = _trailing_run(bs, run)
+    after = np.bitwise_xor.accumulate(quote) ^ in_str
+    return after, (after | quote) == 0, run
 
 
 def _escaped(bs: np.ndarray, run: int) -> np.ndarray:

@@ -167,12 +167,9 @@ def saved_pieces(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer
     base = plan.stage_offset + plan.writer_offset(writer)
     if plan.flat is not None:
         return _flat_pieces(plan, base, box)
-    per_dim = []
-    for dim, lo, n in zip(plan.dims, box.offsets, box.lengths):
-        hits = _dim_hits(dim, lo, lo + n)
-        if not hits:
-            return ()
-        per_dim.append(hits)
+    per_dim = _per_dim_hits(plan, box)
+    if per_dim is None:
+        return ()
     if not per_dim:  # a 0-d tensor: its one box
         return (SavedPiece(rank=base, box=box, overlap=box),)
     out = []
@@ -183,16 +180,24 @@ def saved_pieces(shape: Sequence[int], layout: Layout, mesh: MeshLike, *, writer
     return tuple(out)
 
 
-def _flat_pieces(plan: _Plan, base: int, box: Box) -> tuple[SavedPiece, ...]:
-    """``saved_pieces`` of a flat layout: the boxes the other entries leave that overlap ``box``
-    (found as for any layout), then the flat pieces whose run of that box reaches into ``box``."""
-    entry, size, stride = plan.flat
+def _per_dim_hits(plan: _Plan, box: Box) -> list | None:
+    """Per tensor dim, the held intervals that overlap ``box`` (``_dim_hits``); None when a dim has none."""
     per_dim = []
     for dim, lo, n in zip(plan.dims, box.offsets, box.lengths):
         hits = _dim_hits(dim, lo, lo + n)
         if not hits:
-            return ()
+            return None
         per_dim.append(hits)
+    return per_dim
+
+
+def _flat_pieces(plan: _Plan, base: int, box: Box) -> tuple[SavedPiece, ...]:
+    """``saved_pieces`` of a flat layout: the boxes the other entries leave that overlap ``box``
+    (found as for any layout), then the flat pieces whose run of that box reaches into ``box``."""
+    entry, size, stride = plan.flat
+    per_dim = _per_dim_hits(plan, box)
+    if per_dim is None:
+        return ()
     out = []
     for combo in itertools.product(*per_dim):
         shares, starts, lengths, w_starts, w_lengths = zip(*combo)

@@ -37,7 +37,7 @@ from shardfmt.saving.claims import (
     split_claims,
 )
 from shardfmt.saving.messages import Claim, HeldTensor, RankState, WriteKey
-from shardfmt.saving.plan import chunk_for_median
+from shardfmt.saving.plan import chunk_for_median, least_loaded
 
 STAGE_DIM = "pp"
 SPREAD_FROM = 1 << 20  # bytes of small tensors that share a writer offset (at most)
@@ -222,14 +222,7 @@ def _listed_holders(claimed: Mapping[str, list[tuple[Claim, Group]]], placed: Ma
 
 def _assign(holders: Mapping[WriteKey, list[int]], records: Mapping[str, HeldTensor]) -> dict[WriteKey, int]:
     """Largest listed box first, to its holder with the fewest listed bytes so far (ties: lowest rank)."""
-    nbytes = {k: math.prod(k[2]) * itemsize(records[k[0]].dtype) for k in holders}
-    load: Counter = Counter()
-    out = {}
-    for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
-        r = min(holders[key], key=lambda x: (load[x], x))
-        out[key] = r
-        load[r] += nbytes[key]
-    return out
+    return least_loaded(holders, {k: math.prod(k[2]) * itemsize(records[k[0]].dtype) for k in holders})
 
 
 def _median_box(placed: Mapping[str, Placed], listed: Mapping[WriteKey, int], records: Mapping[str, HeldTensor],

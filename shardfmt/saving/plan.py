@@ -8,7 +8,7 @@ both ends of one write: the global slice and the local data it comes from.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,12 +37,17 @@ def assign_writers(states: Sequence[RankState]) -> dict[WriteKey, int]:
                 key = (t.fqn, tuple(box.offsets), tuple(box.lengths))
                 holders.setdefault(key, []).append(s.rank)
                 nbytes[key] = isz * math.prod(box.lengths)
-    load: dict[int, int] = {s.rank: 0 for s in states}
+    return least_loaded(holders, nbytes)
+
+
+def least_loaded(holders: Mapping[WriteKey, Sequence[int]], nbytes: Mapping[WriteKey, int]) -> dict[WriteKey, int]:
+    """Each box, largest first (ties by key), to its holder with the fewest bytes so far (ties: lowest rank)."""
+    load: dict[int, int] = {}
     out = {}
     for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
-        r = min(holders[key], key=lambda x: (load[x], x))
+        r = min(holders[key], key=lambda x: (load.get(x, 0), x))
         out[key] = r
-        load[r] += nbytes[key]
+        load[r] = load.get(r, 0) + nbytes[key]
     return out
 
 
