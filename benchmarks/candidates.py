@@ -20,6 +20,7 @@ write ``call.path``.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import time
@@ -102,8 +103,8 @@ def sf_async(c: Call, stage: str = "call") -> dict:
     return {"blocked": blocked, "staged": staged}
 
 
-def sf_load(c: Call) -> dict:
-    rep = shardfmt.load(c.built.state, c.src)
+def sf_load(c: Call, max_gap: int | None = None) -> dict:
+    rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap)
     return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests}
 
 
@@ -320,6 +321,8 @@ def _all() -> list[Candidate]:
                   exact_check=False),
         Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save", after=chunk_needed),
         Candidate(name="shardfmt.load.v1", kind=L, run=sf_load, reads="shardfmt.save.v1"),
+        *[Candidate(name=f"shardfmt.load@gap={label}", kind=L, run=functools.partial(sf_load, max_gap=gap),
+                    reads="shardfmt.save", after=chunk_needed) for label, gap in (("0", 0), ("1MiB", 1 << 20))],
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),
         Candidate(name="dcp.load", kind=L, run=dcp_load, reads="dcp.save"),
         Candidate(name="dcp.load@s3", kind=L, run=dcp_load, reads="dcp.save@s3", storage="s3"),

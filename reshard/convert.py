@@ -297,7 +297,8 @@ def write_checkpoint(source: Source, dst: str, *, mesh: Mesh, topology: Topology
         chunk_size = auto_chunk_size(shard_bytes, format_version=format_version) \
             if format_version >= 2 else m.chunk_size
     writer = CheckpointWriter(dst_path, storage=dst_storage, overwrite=overwrite,
-                              chunk_size=chunk_size, check_staged=check, format_version=format_version)
+                              chunk_size=chunk_size, check_staged=check, format_version=format_version,
+                              topology=topology)  # placed boxes are checked as each file closes
     for fqn, p in placed.items():
         rec = m.tensor(fqn)
         writer.place(fqn, dtype_code(dtypes[fqn], what=fqn), tuple(rec.shape), p, storage=fqn in m.storages)

@@ -261,6 +261,75 @@ def test_the_writer_refuses_a_placed_tensor_whose_files_hold_other_boxes(tmp_pat
     assert not os.path.exists(tmp_path / "ck")
 
 
+def _wq_boxes() -> dict[int, list[tuple[int, ...]]]:
+    """Rank -> the offsets of the wq boxes the writer rule has it write."""
+    p = PLACED["model.layers.0.wq"]
+    out = {}
+    for rank in range(WORLD):
+        boxes = written_by((8, 4), layout_from_record(p.placement), MESH, writer=p.writer, rank=rank)
+        if boxes:
+            out[rank] = [tuple(hb.box.offsets) for hb in boxes]
+    return out
+
+
+def _topology_first_writer(path) -> CheckpointWriter:
+    """A writer told the topology before any file: it checks each file's placed boxes as it closes."""
+    writer = CheckpointWriter(str(path), chunk_size=4096, topology=Topology(world_size=WORLD, mesh=MESH))
+    writer.place("model.layers.0.wq", "F32", (8, 4), PLACED["model.layers.0.wq"])
+    return writer
+
+
+def _write_wq(writer: CheckpointWriter, rank: int, offsets: tuple[int, ...], *, part: int | None = None) -> None:
+    wq = tensors()["model.layers.0.wq"]
+    writer.write_rank(rank, [ShardData(fqn="model.layers.0.wq", data=wq[offsets[0]:offsets[0] + 2].clone(),
+                                       global_shape=(8, 4), offsets=offsets)], part=part)
+
+
+def test_a_writer_told_the_topology_first_refuses_a_wrong_box_as_its_file_closes(tmp_path):
+    writers = _wq_boxes()
+    first, other = sorted(writers)[:2]
+    writer = _topology_first_writer(tmp_path / "ck")
+    with pytest.raises(errors.CommitError, match="does not have it write"):
+        _write_wq(writer, first, writers[other][0])  # another rank's box
+    assert not os.path.exists(tmp_path / "ck")
+    assert [p for p in os.listdir(tmp_path) if p != "ck"] == []  # the staging dir is gone too
+
+
+def test_a_writer_told_the_topology_first_refuses_a_box_written_twice_in_place_of_another(tmp_path):
+    """Every element count right: one box in two files of its rank, another box in none."""
+    writers = _wq_boxes()
+    boxes = [(r, o) for r in sorted(writers) for o in writers[r]]
+    writer = _topology_first_writer(tmp_path / "ck")
+    (r0, o0), missing = boxes[0], boxes[-1]
+    _write_wq(writer, r0, o0, part=0)
+    _write_wq(writer, r0, o0, part=1)
+    for r, o in boxes[1:-1]:
+        _write_wq(writer, r, o, part=0)
+    assert missing != boxes[0]
+    with pytest.raises(errors.CommitError, match="written twice and another of its size not at all"):
+        writer.commit(topology=Topology(world_size=WORLD, mesh=MESH))
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_a_writer_told_the_topology_first_commits_the_rule_s_boxes_and_refuses_another_topology(tmp_path):
+    writers = _wq_boxes()
+    for name, commit_topology in (("ok", None), ("other", Topology(world_size=WORLD, mesh=(("dp", 4), ("tp", 1))))):
+        writer = _topology_first_writer(tmp_path / name)
+        for r in sorted(writers):
+            for o in writers[r]:
+                _write_wq(writer, r, o)
+        if commit_topology is None:
+            m = writer.commit()
+            assert m.tensors["model.layers.0.wq"].placed == PLACED["model.layers.0.wq"]
+            got = torch.empty(8, 4)
+            shardfmt.load({"model.layers.0.wq": got}, str(tmp_path / name))
+            assert torch.equal(got, tensors()["model.layers.0.wq"])
+        else:
+            with pytest.raises(errors.CommitError, match="were checked against"):
+                writer.commit(topology=commit_topology)
+            assert not os.path.exists(tmp_path / name)
+
+
 if __name__ == "__main__":
     if "--write" not in sys.argv:
         sys.exit("pass --write to regenerate spec/golden/v2 (a format change needs a spec diff too)")

@@ -7,13 +7,14 @@ here in time linear in the boxes). Every record of a tensor agrees on dtype and 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 
 from shardfmt.errors import CommitError, ShapeError
 from shardfmt.format.manifest import ListedShard, Placed, Placement, TensorRecord, Topology
 from shardfmt.layout.geometry import Box
-from shardfmt.layout.placed import written_by
+from shardfmt.layout.placed import placed_plan, plan_writes
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import layout_from_record
 
@@ -33,28 +34,58 @@ def listed_record(fqn: str, dtype: str, shape: tuple[int, ...], placement: Place
     return TensorRecord(dtype=dtype, shape=tuple(shape), placement=placement, listed=ordered)
 
 
-def check_placed_boxes(fqn: str, written: tuple[str, tuple[int, ...]], placed: tuple[str, tuple[int, ...], Placed],
-                       topology: Topology, shards: Iterable[ListedShard]) -> None:
-    """Refuse a placed tensor whose boxes this process wrote (``written``: their dtype and
-    shape) unless its files hold exactly what the writer rule gives (spec section 4.3): each
-    box one its rank writes, none twice, all its elements."""
-    dtype, shape, p = placed
-    if written != (dtype, tuple(shape)):
-        raise CommitError(f"tensor {fqn!r}: placed as {dtype} {list(shape)}, written as {written[0]} {list(written[1])}")
-    layout = layout_from_record(p.placement)
-    derived: dict[int, set[Box]] = {}
-    seen: set[Box] = set()
-    for s in shards:
-        box = Box(s.offsets, s.lengths)
-        if s.rank not in derived:
-            derived[s.rank] = {hb.box for hb in written_by(shape, layout, topology.mesh, writer=p.writer, rank=s.rank)}
-        if box not in derived[s.rank] or box in seen:
-            raise CommitError(f"tensor {fqn!r}: rank {s.rank} wrote the box {list(box.offsets)}+{list(box.lengths)}, "
-                              "which its placement does not have it write (or another file holds it too)")
-        seen.add(box)
-    found = sum(b.numel for b in seen)
-    if found != math.prod(shape):
-        raise CommitError(f"tensor {fqn!r}: its writers wrote {found} of its {math.prod(shape)} elements")
+class PlacedCheck:
+    """The check of one placed tensor's boxes that this process wrote, one file at a time, in
+    memory that does not grow with the boxes (spec section 4.3): each box must be one its rank
+    writes (``add``, as each file closes); at the end (``finish``) the boxes must be the
+    writer rule's, each once: the elements sum to the tensor's, and so does a sum of the
+    boxes' hashes (a box written twice in place of another of its size changes it)."""
+
+    def __init__(self, fqn: str, placed: tuple[str, tuple[int, ...], Placed], topology: Topology) -> None:
+        dtype, shape, p = placed
+        self.fqn, self.dtype, self.shape, self.writer = fqn, dtype, tuple(shape), p.writer
+        self.plan = placed_plan(self.shape, layout_from_record(p.placement), topology.mesh)
+        self.elements = 0
+        self.hashes = 0
+
+    def add(self, rank: int, boxes: Iterable[Box]) -> None:
+        """Count ``boxes`` (one file's, written by ``rank``); refuse one the rule does not give ``rank``."""
+        derived = {hb.box for hb in plan_writes(self.plan, writer=self.writer, rank=rank)}
+        for box in boxes:
+            if box not in derived:
+                raise CommitError(f"tensor {self.fqn!r}: rank {rank} wrote the box {list(box.offsets)}+"
+                                  f"{list(box.lengths)}, which its placement does not have it write")
+            self.elements += box.numel
+            self.hashes = (self.hashes + _box_hash(box)) & _MASK
+
+    def finish(self, written: tuple[str, tuple[int, ...]]) -> None:
+        """Refuse the tensor unless its boxes (``written``: their dtype and shape) are the rule's, each once."""
+        if written != (self.dtype, self.shape):
+            raise CommitError(f"tensor {self.fqn!r}: placed as {self.dtype} {list(self.shape)}, written as "
+                              f"{written[0]} {list(written[1])}")
+        numel = math.prod(self.shape)
+        if self.elements != numel:
+            raise CommitError(f"tensor {self.fqn!r}: its writers wrote {self.elements} of its {numel} elements")
+        if self.hashes != _rule_hashes(self.plan):
+            raise CommitError(f"tensor {self.fqn!r}: a box was written twice and another of its size not at all")
+
+
+_MASK = (1 << 64) - 1
+
+
+def _box_hash(box: Box) -> int:
+    return hash((box.offsets, box.lengths)) & _MASK  # ints only: the same in every process
+
+
+@functools.lru_cache(maxsize=256)
+def _rule_hashes(plan) -> int:
+    """The sum of the hashes of every box the rule has written: one writer per replica group,
+    so member 0 of every group (the boxes do not depend on which member writes)."""
+    total = 0
+    for rank in range(plan.mesh.world_size):
+        for hb in plan_writes(plan, writer=0, rank=rank):
+            total = (total + _box_hash(hb.box)) & _MASK
+    return total
 
 
 def merge_records(*tables: Mapping[str, TensorRecord]) -> dict[str, TensorRecord]:

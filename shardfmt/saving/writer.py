@@ -47,7 +47,7 @@ from shardfmt.layout.tiling import tiling_problems
 from shardfmt.saving.messages import WrittenFile
 from shardfmt.saving.options import SaveOptions
 from shardfmt.saving.rank_index import write_rank_index
-from shardfmt.saving.root import check_placed_boxes, listed_record, merge_records, placed_record
+from shardfmt.saving.root import PlacedCheck, listed_record, merge_records, placed_record
 from shardfmt.saving.shard_file import (
     ShardData,
     ShardSpec,
@@ -111,10 +111,16 @@ class CheckpointWriter:
         options: SaveOptions | None = None,
         lease_seconds: float | None = None,
         check_staged: Callable[[Storage, str], None] | None = None,
+        topology: Topology | None = None,
         **knobs: Any,
     ) -> None:
         """No I/O: ``options`` (with any ``SaveOptions`` field given as a keyword, e.g.
-        ``chunk_size=4096``) say how to write; ``stage()`` touches the destination."""
+        ``chunk_size=4096``) say how to write; ``stage()`` touches the destination.
+
+        ``topology``, when known before the files are written (v2), lets the writer check a
+        placed tensor's boxes as each file closes and keep two counters of them instead of
+        every shard record until the commit (at 4096 ranks, millions); ``commit`` then takes
+        this topology (or none)."""
         opts = SaveOptions.merged(options, **knobs)
         if opts.chunk_size is not None and not 4096 <= opts.chunk_size <= 1 << 30:
             raise CommitError(f"chunk_size {opts.chunk_size} is outside [4096, 2^30]")
@@ -148,6 +154,8 @@ class CheckpointWriter:
         self._rank_entries: dict[int, RankEntry] = {}  # v2: indexes other processes wrote
         self._external_storages: set[str] = set()  # v2: placed or listed storage buffers
         self._external_files: set[str] = set()  # v2: data files other processes wrote
+        self._topology = topology  # v2: known before the files are written (or given at the commit)
+        self._checks: dict[str, PlacedCheck] = {}  # v2: placed tensors checked file by file
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -229,9 +237,30 @@ class CheckpointWriter:
                                  f"{code} {list(s.global_shape)})")
 
     def _record(self, written: WrittenFile, storage_names: set[str]) -> None:
+        """Keep a closed file's record and its shards (a placed tensor's checked and counted
+        instead, when the topology is known); a refused file aborts the save."""
+        try:
+            self._keep(written, storage_names)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _keep(self, written: WrittenFile, storage_names: set[str]) -> None:
         self._files[written.name] = written.record
+        checked: dict[str, list[Box]] = {}
         for fqn, shard in written.shards:
-            (self._storages if fqn in storage_names else self._tensors)[fqn].shards.append(shard)
+            if self._topology is not None and fqn in self._placed:
+                checked.setdefault(fqn, []).append(Box(shard.offsets, shard.lengths))
+            else:
+                (self._storages if fqn in storage_names else self._tensors)[fqn].shards.append(shard)
+        for fqn, boxes in checked.items():
+            self._check(fqn, self._topology).add(written.record.rank, boxes)
+
+    def _check(self, fqn: str, topology: Topology) -> PlacedCheck:
+        check = self._checks.get(fqn)
+        if check is None:
+            check = self._checks[fqn] = PlacedCheck(fqn, self._placed[fqn], topology)
+        return check
 
     def add_file(self, written: WrittenFile,
                  tensor_meta: Mapping[str, tuple[str, tuple[int, ...], Placement | None]],
@@ -308,16 +337,21 @@ class CheckpointWriter:
             writer=self._writer_versions,
             chunk_size=self.chunk_size,
             metadata=jsonvalue.encode(metadata, where="metadata"),
-            topology=self._topology(topology),
+            topology=self._topology_of(topology),
             files=dict(sorted(self._files.items())),
             tensors=tensors,
             storages=storages,
             values=dict(sorted(self._values.items())),
         )
 
-    def _topology(self, topology: Topology | None) -> Topology:
+    def _topology_of(self, topology: Topology | None) -> Topology:
+        """The checkpoint's topology: the commit's, the constructor's (they must agree), or the
+        smallest world that holds every rank written."""
+        if self._topology is not None and topology is not None and topology != self._topology:
+            raise CommitError(f"{self.path}: committed with the topology {topology}, but its files were "
+                              f"checked against {self._topology}")
         ranks = [f.rank for f in self._files.values()] + list(self._rank_entries)
-        return topology or Topology(world_size=max(ranks, default=0) + 1)
+        return topology or self._topology or Topology(world_size=max(ranks, default=0) + 1)
 
     def _links(self, tensors: dict[str, TensorRecord]) -> dict[str, TensorRecord]:
         """Aliases and views added to the stored ``tensors`` (sorted by name)."""
@@ -334,7 +368,7 @@ class CheckpointWriter:
 
     def _build_root(self, *, step: int | None, metadata: Any, topology: Topology | None) -> Manifest:
         """v2: the root manifest, once every rank index is written and the rank table staged."""
-        topology = self._topology(topology)
+        topology = self._topology_of(topology)
         tables: tuple[dict[str, TensorRecord], dict[str, TensorRecord]] = ({}, {})
         for (table, out) in zip((self._tensors, self._storages), tables):
             for fqn in sorted(table):
@@ -342,7 +376,10 @@ class CheckpointWriter:
                 shards = [ListedShard(offsets=s.offsets, lengths=s.lengths, rank=self._files[s.file].rank)
                           for s in meta.shards]
                 if fqn in self._placed:  # written here and placed: the boxes must be the writer rule's
-                    check_placed_boxes(fqn, (meta.dtype, meta.shape), self._placed[fqn], topology, shards)
+                    check = self._check(fqn, topology)
+                    for rank, boxes in _by_rank(shards).items():
+                        check.add(rank, boxes)
+                    check.finish((meta.dtype, meta.shape))
                     continue
                 out[fqn] = listed_record(fqn, meta.dtype, meta.shape, meta.placement, shards)
         placed = {f: placed_record(f, d, sh, p) for f, (d, sh, p) in self._placed.items()}
@@ -450,6 +487,13 @@ class CheckpointWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def _by_rank(shards: Sequence[ListedShard]) -> dict[int, list[Box]]:
+    out: dict[int, list[Box]] = {}
+    for s in shards:
+        out.setdefault(s.rank, []).append(Box(s.offsets, s.lengths))
+    return out
 
 
 # ShardData is shard_file's; named here too for ``shardfmt/__init__`` (which imports it from this module).
