@@ -103,8 +103,8 @@ def sf_async(c: Call, stage: str = "call") -> dict:
     return {"blocked": blocked, "staged": staged}
 
 
-def sf_load(c: Call, max_gap: int | None = None) -> dict:
-    rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap)
+def sf_load(c: Call, max_gap: int | None = None, share_reads: bool | None = None) -> dict:
+    rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap, share_reads=share_reads)
     return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests}
 
 
@@ -324,6 +324,8 @@ def _all() -> list[Candidate]:
         *[Candidate(name=f"shardfmt.load@gap={label}", kind=L, run=functools.partial(sf_load, max_gap=gap),
                     reads="shardfmt.save", after=chunk_needed) for label, gap in (("0", 0), ("1MiB", 1 << 20))],
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),
+        Candidate(name="shardfmt.load@s3/alone", kind=L, run=functools.partial(sf_load, share_reads=False),
+                  reads="shardfmt.save@s3", storage="s3"),
         Candidate(name="dcp.load", kind=L, run=dcp_load, reads="dcp.save"),
         Candidate(name="dcp.load@s3", kind=L, run=dcp_load, reads="dcp.save@s3", storage="s3"),
         Candidate(name="torch.load", kind=L, run=torch_load, reads="torch.save", layouts=same, same_world=True),

@@ -16,7 +16,7 @@ moves between ranks to set up). Builders (``BUILDERS``), all sizes approximate:
 Layouts (``box``): ``rows`` shards each tensor's ``shard_dim`` over the world (the save
 layout; others are replicated); ``cols`` shards dim 1 of 2-D tensors (on one process: the
 left half of the columns, as a ``ShardedTensor``; others as ``rows``); ``full`` is every
-tensor whole (one process, no mesh).
+tensor whole (one process: plain tensors; more: replicated DTensors, every rank a replica).
 """
 
 from __future__ import annotations

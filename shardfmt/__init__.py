@@ -8,7 +8,7 @@ backends) are importable from their modules and are not part of the stable surfa
 
 from shardfmt import errors
 from shardfmt._version import __version__
-from shardfmt.api import LoadReport, load, save
+from shardfmt.api import LoadReport, load, save, skip_load
 from shardfmt.layout.state import FlatShard, IfSaved, PerRank, ShardedTensor, flat_group
 from shardfmt.loading.reader import read_manifest
 from shardfmt.saving.async_save import AsyncSave, Stager, async_save
@@ -23,6 +23,7 @@ __all__ = [
     # one checkpoint
     "save",
     "load",
+    "skip_load",
     "async_save",
     "AsyncSave",
     "Stager",

@@ -17,13 +17,15 @@ from typing import Any
 
 from shardfmt.errors import ShardfmtError
 from shardfmt.format.manifest import Manifest
+from shardfmt.io.registry import get_storage
 from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load
 from shardfmt.loading.resolve import resolve, with_rank_values
+from shardfmt.loading.shared import agree
 from shardfmt.loading.targets import allocate_view_buffers, copy_views, plan_reads
-from shardfmt.saving.coordinator import coordinator_for
+from shardfmt.saving.coordinator import control_group, coordinator_for, in_distributed_job
 from shardfmt.saving.describe import prepare
 from shardfmt.saving.options import SaveOptions
 from shardfmt.saving.protocol import run_save
@@ -100,6 +102,22 @@ def save(
 # ----------------------------------------------------------------------------- load
 
 
+def _share_group(opts: LoadOptions, process_group):
+    """The gloo group a load agrees its shared reads on (``loading.shared``), or None."""
+    return control_group(process_group) if opts.share_reads and in_distributed_job(process_group) else None
+
+
+def skip_load(path: str, *, process_group=None, storage_options: dict | None = None,
+              share_reads: bool | None = None, options: LoadOptions | None = None) -> None:
+    """Stand in for ``load(..., path, ...)`` on a rank that gives it up (it failed before) while
+    the other ranks of its process group call it: a load that shares reads is a collective,
+    and this joins it as a failed rank, so no rank waits (they all read alone)."""
+    opts = LoadOptions.merged(options, share_reads=share_reads)
+    group = _share_group(opts.for_storage(get_storage(path, storage_options)[0]), process_group)
+    if group is not None:
+        agree(None, None, group)
+
+
 def load(
     state_dict: dict,
     path: str,
@@ -114,6 +132,7 @@ def load(
     max_gap: int | None = None,
     max_read: int | None = None,
     workers: int | None = None,
+    share_reads: bool | None = None,
     options: LoadOptions | None = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
@@ -133,26 +152,40 @@ def load(
     raises, ``"skip"`` leaves the caller's values as they are.
 
     ``verify`` checks every chunk read against its hash; ``cast`` converts dtypes; ``max_gap``,
-    ``max_read`` and ``workers`` shape the reads. Each knob left None takes its value from
-    ``options`` (a ``LoadOptions``, which owns the defaults).
+    ``max_read`` and ``workers`` shape the reads. ``share_reads``: ranks that read the same
+    bytes (data-parallel replicas) read them once and broadcast them (default: on object
+    stores); the load is then a collective: every rank of the process group calls it. Each
+    knob left None takes its value from ``options`` (a ``LoadOptions``, which owns the defaults).
     """
     opts = LoadOptions.merged(options, strict=strict, verify=verify, cast=cast, per_rank=per_rank,
-                              max_gap=max_gap, max_read=max_read, workers=workers)
-    ckpt = open_checkpoint(path, storage_options=storage_options, whole=False)
-    m, storage = ckpt.manifest, ckpt.storage
-    rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)
-    opened = storage.stats.snapshot()
-    m = with_rank_values(storage, ckpt.path, m, rank)
-    request = request_load(state_dict, m, opts, rank=rank, world_size=world_size, source=ckpt.path)
+                              max_gap=max_gap, max_read=max_read, workers=workers, share_reads=share_reads)
+    storage, where = get_storage(path, storage_options)
     opts = opts.for_storage(storage)
-    m = resolve(storage, ckpt.path, m, [t.src for t in request.targets], verify=opts.verify)  # v2: what it reads
-    plan = plan_reads(m, request.targets, opts, remote=storage.remote)
-    targets = allocate_view_buffers(storage, ckpt.path, m, plan, request.targets)
-    if opts.verify and m.format_version == 1:  # v2: resolve checked the headers it read
-        check_headers(storage, ckpt.path, m, plan.shards)
+    group = _share_group(opts, process_group)
+    try:
+        ckpt = open_checkpoint(where, storage=storage, whole=False)
+        m = ckpt.manifest
+        rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)
+        opened = storage.stats.snapshot()
+        m = with_rank_values(storage, ckpt.path, m, rank)
+        request = request_load(state_dict, m, opts, rank=rank, world_size=world_size, source=ckpt.path)
+        m = resolve(storage, ckpt.path, m, [t.src for t in request.targets], verify=opts.verify)  # v2: what it reads
+        plan = plan_reads(m, request.targets, opts, remote=storage.remote)
+        targets = allocate_view_buffers(storage, ckpt.path, m, plan, request.targets)
+        if opts.verify and m.format_version == 1:  # v2: resolve checked the headers it read
+            check_headers(storage, ckpt.path, m, plan.shards)
+    except BaseException:
+        if group is not None:  # the other ranks are in the agreement: join it, failed, so none waits
+            agree(None, None, group)
+        raise
+    share = agree(plan, m.save_id, group) if group is not None else None
     before = storage.stats.snapshot()
     try:
-        Executor(storage, ckpt.path, targets, opts).run(plan)
+        executor = Executor(storage, ckpt.path, targets, opts)
+        if share is not None:
+            executor.run_shared(plan, share)
+        else:
+            executor.run(plan)
     except ShardfmtError as e:
         err = type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
                       "checkpoint's data and must not be used)")

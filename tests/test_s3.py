@@ -639,3 +639,58 @@ def test_a_data_object_of_another_size_is_refused_even_unverified(server, bucket
         got = {"a": torch.zeros(1024)}
         with pytest.raises(shardfmt.errors.IntegrityError, match="the manifest says"):
             shardfmt.load(got, url, strict=False, verify=verify)
+
+
+# ----------------------------------------------------------------------------- replicated bytes read once
+
+
+def _shared_load(server, url, tmp_path, layout, **args) -> tuple[list[dict], dict]:
+    server.reset_stats()
+    res = check_all_ok(launch("shared_load", 4, {"path": url, "layout": layout, **args},
+                              out_dir=str(tmp_path / f"{layout}-{args}"), timeout=240))
+    return res, server.stats()
+
+
+@pytest.mark.parametrize("layout", ["full", "dp_tp"])
+def test_replicas_loading_from_s3_get_each_byte_once(server, bucket, tmp_path, layout):
+    """4 ranks: every rank the whole state (one read group of 4), or dp=2 x tp=2 (a read
+    group of 2 replicas per tp rank): the server serves each group's bytes once, not once per
+    replica; the same load with sharing off serves them once per rank."""
+    from tests.distributed.workers import shared_state
+
+    url = f"{bucket}/shared/{layout}"
+    state = shared_state()
+    shardfmt.save(state, url)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    metadata = 4 * (64 << 10)  # each rank's COMMITTED, manifest, rank table, index, header: generously
+    res, alone = _shared_load(server, url, tmp_path, layout, share_reads=False)
+    assert all(r["equal"] == sorted(state) for r in res), res
+    assert alone["bytes_out"] >= 0.95 * 4 * (size if layout == "full" else size / 2), (alone, size)
+    read = sum(r["bytes_read"] for r in res)  # what the 4 ranks' plans read, each alone
+    res, shared = _shared_load(server, url, tmp_path, layout)
+    assert all(r["equal"] == sorted(state) for r in res), res
+    replicas = 4 if layout == "full" else 2
+    assert shared["bytes_out"] <= 1.02 * read / replicas + metadata, (shared, read)
+    if layout == "full":
+        assert shared["bytes_out"] <= 1.1 * size + metadata, (shared, size)
+    assert sum(r["bytes_read"] for r in res) <= 1.02 * read / replicas  # a rank reports what it read itself
+
+
+def test_a_corrupt_chunk_read_for_a_read_group_fails_every_member_without_a_hang(server, bucket, tmp_path):
+    """The owner of the read finds the chunk corrupt: every rank raises an IntegrityError at
+    that read (the others naming the owner), none waits for bytes that never come."""
+    url = f"{bucket}/shared/corrupt"
+    from tests.distributed.workers import shared_state
+
+    shardfmt.save(shared_state(), url)
+    (name,) = shardfmt.read_manifest(url).files
+    fs = _fs(server)
+    key = f"{url[len('s3://'):]}/{name}"
+    raw = bytearray(fs.cat_file(key))
+    raw[-100] ^= 0xFF  # inside the last tensor's bytes
+    fs.pipe_file(key, bytes(raw))
+    results = launch("shared_load", 4, {"path": url, "layout": "full"}, out_dir=str(tmp_path / "o"), timeout=240)
+    got = check_all_ok(results)
+    assert all(r.get("error") == "IntegrityError" for r in got), got
+    owners = [r for r in got if "read these bytes for its read group" not in r["message"]]
+    assert len(owners) == 1 and "hashes to" in owners[0]["message"], got

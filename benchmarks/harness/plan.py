@@ -75,8 +75,6 @@ def check(sc: Scenario, opts: Options) -> None:
                 raise ValueError(f"{where} cannot fill the {ph.layout!r} layout")
             if c.same_world and saved.get(c.reads) != w:
                 raise ValueError(f"{where} loads only on the world that saved")
-            if ph.layout == "full" and w != 1:
-                raise ValueError(f"{where}: the 'full' layout is for one process")
         for name in ph.candidates:
             if ph.kind == "save":
                 saved[name] = w

@@ -17,7 +17,7 @@ import bisect
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -30,11 +30,13 @@ from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.store import FileReader, Storage
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
+from shardfmt.loading.shared import Share
 from shardfmt.loading.targets import ReadTarget
 
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
+SHARED_WINDOW = 256 << 20  # bytes a read group's owner reads ahead of the broadcasts
 DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``ReadTarget.sole``)
 
 
@@ -209,6 +211,57 @@ class Executor:
         finally:
             readers.close()
 
+    def run_shared(self, plan: LoadPlan, share: Share) -> None:
+        """Run ``plan`` with its read group (``loading.shared``): each read's owner reads and
+        verifies it into a buffer, ahead of need on ``workers`` threads (at most
+        ``SHARED_WINDOW`` bytes in flight); in plan order, the bytes go to every member
+        (broadcast), and each copies them into its targets. An owner's failure is every
+        member's, at the same read."""
+        self._files, self._grids = plan.files, plan.grids
+        mine = [k for k, o in enumerate(share.owners) if o == share.me]
+        readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
+        workers = max(1, min(self.workers, self.storage.read_concurrency, len(mine)))
+        try:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-shared") as pool:
+                fetched: dict[int, Future] = {}
+                nxt, inflight = 0, 0
+                for k, read in enumerate(plan.reads):
+                    while nxt < len(mine) and (inflight < SHARED_WINDOW or not fetched):
+                        j = mine[nxt]
+                        fetched[j] = pool.submit(self._fetch, plan.reads[j], readers, plan.verify)
+                        inflight += plan.reads[j].byte_range.length
+                        nxt += 1
+                    owner = share.owners[k]
+                    error: BaseException | None = None
+                    if owner == share.me:
+                        buf, error = fetched.pop(k).result()
+                        inflight -= read.byte_range.length
+                    else:
+                        buf = torch.empty(read.byte_range.length + 1, dtype=torch.uint8)
+                    share.broadcast(buf, owner)
+                    if int(buf[-1]) != 1:
+                        raise share.send_error(owner, error)
+                    self._scatter(read, buf[:-1])
+        finally:
+            readers.close()
+
+    def _fetch(self, read: PhysicalRead, readers: _Readers, verify: bool) -> tuple[torch.Tensor, BaseException | None]:
+        """Read (and verify) ``read`` into a new buffer with a flag byte after it: 1 read, 0 failed."""
+        buf = torch.zeros(read.byte_range.length + 1, dtype=torch.uint8)
+        try:
+            self._read(readers.get(read.file), read, [byte_view(buf[:-1])], verify)
+        except (ShardfmtError, OSError) as e:
+            return buf, e
+        buf[-1] = 1
+        return buf, None
+
+    def _scatter(self, read: PhysicalRead, buf: torch.Tensor) -> None:
+        """Copy a read's bytes (``buf``, from its first byte) into the targets it feeds."""
+        start = read.byte_range.start
+        for it in read.items:
+            t = self.targets[it.target]
+            _dst_view(t.dst, it).copy_(_src_view(buf, it.src_start - start, it, t.src_dtype))
+
     def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, around: list[bool],
                   workers: int) -> None:
         """Run the reads on ``workers`` threads; raise the first read's error once all are done."""
@@ -269,9 +322,7 @@ class Executor:
             return
         buf = self._bounce(end - start)
         self._read(reader, read, [byte_view(buf)], verify)
-        for it in read.items:
-            t = self.targets[it.target]
-            _dst_view(t.dst, it).copy_(_src_view(buf, it.src_start - start, it, t.src_dtype))
+        self._scatter(read, buf)
 
     def _bounce(self, n: int) -> torch.Tensor:
         """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for

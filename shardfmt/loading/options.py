@@ -34,6 +34,10 @@ class LoadOptions:
     bytes of gap read through to merge two reads (None: the storage's). ``max_read``: the
     largest read merging builds. ``max_bounce_read``: the largest read through a bounce
     buffer (None: sized from what the rank loads). ``workers``: reading threads.
+    ``share_reads``: under torch.distributed, ranks that read the same byte ranges (data
+    parallel replicas) read each range once and broadcast it (``loading.shared``; the load is
+    then a collective of its process group); None: on object stores only, where every rank's
+    read is a request the store serves again (on local disk the page cache shares them).
     """
 
     strict: bool = True
@@ -44,6 +48,7 @@ class LoadOptions:
     max_read: int = DEFAULT_MAX_READ
     max_bounce_read: int | None = None
     workers: int = DEFAULT_WORKERS
+    share_reads: bool | None = None
 
     def __post_init__(self) -> None:
         if self.per_rank not in ("error", "skip"):
@@ -63,7 +68,8 @@ class LoadOptions:
         workers = self.workers
         if storage.remote:
             workers = max(workers, min(storage.read_concurrency, MAX_OBJECT_STORE_WORKERS))
-        return replace(self, max_gap=max_gap, workers=workers)
+        share = storage.remote if self.share_reads is None else self.share_reads
+        return replace(self, max_gap=max_gap, workers=workers, share_reads=share)
 
     def bounce_read_size(self, share: int, chunk: int, *, remote: bool) -> int:
         """The largest read through a bounce buffer when a rank loads ``share`` bytes (each

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardfmt.api import load
+from shardfmt.api import load, skip_load
 from shardfmt.commit.names import quarantine_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
@@ -191,9 +191,13 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
     sd, signature, fresh_optims = for_restore(state)
     storage = tier.storage
     try:
-        manifest = open_checkpoint(path, storage=storage).manifest
-        check_compat(path, manifest, config=config, signature=signature,
-                     optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch)
+        try:
+            manifest = open_checkpoint(path, storage=storage).manifest
+            check_compat(path, manifest, config=config, signature=signature,
+                         optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch)
+        except BaseException:  # the other ranks may be loading: join them, as a failed rank
+            skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
+            raise
         report = load(sd, storage.url(path), strict=False, per_rank="skip",
                       process_group=ranks.process_group, storage_options=tier.storage_options)
     except CompatibilityError:

@@ -652,6 +652,40 @@ def flat_load_dtensor(rank, world, args):
     return {"equal": sorted(k for k, t in targets.items() if torch.equal(t.full_tensor(), full[k]))}
 
 
+def shared_state() -> dict[str, torch.Tensor]:
+    """The state the shared-read tests save (one process) and every rank loads: 5 MiB."""
+    g = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(1024, 1024, generator=g), "e": torch.randn(512, 256, generator=g).bfloat16(),
+            "b": torch.randn(1024, generator=g)}
+
+
+@job
+def shared_load(rank, world, args):
+    """Load ``shared_state`` from ``path``: ``layout`` "full" (every rank the whole state: one
+    read group of all ranks) or "dp_tp" (a dp=2 x tp=2 mesh, DTensors Shard(0) on tp and
+    replicated on dp: a read group per tp coordinate); ``share_reads`` as given. Returns what
+    matched, the bytes this rank read, or the error it raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = shared_state()
+    if args["layout"] == "full":
+        targets = {k: torch.zeros_like(t) for k, t in full.items()}
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        targets = {k: distribute_tensor(torch.zeros_like(t), mesh, [Replicate(), Shard(0)]) for k, t in full.items()}
+    dist.barrier()
+    if rank == args.get("skip_rank"):  # this rank gives the load up: it joins the others' agreement
+        shardfmt.skip_load(args["path"], share_reads=args.get("share_reads"))
+        return {"skipped": True}
+    try:
+        rep = shardfmt.load(targets, args["path"], share_reads=args.get("share_reads"))
+    except shardfmt.errors.ShardfmtError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    got = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t) for k, t in targets.items()}
+    return {"equal": sorted(k for k in full if torch.equal(got[k], full[k])), "bytes_read": rep.bytes_read}
+
+
 def main() -> None:
     name, rank, world, port, raw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     args = json.loads(raw)
