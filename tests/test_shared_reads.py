@@ -71,3 +71,19 @@ def test_a_rank_that_gives_the_load_up_lets_the_others_read_alone(tmp_path):
                               out_dir=str(tmp_path / "o"), timeout=120))
     assert res[1]["skipped"] and all(res[r]["equal"] == sorted(state) for r in (0, 2)), res
     assert all(res[r]["bytes_read"] >= size for r in (0, 2))
+
+
+def test_a_load_on_a_sub_group_shares_among_its_ranks_without_the_others(tmp_path):
+    """Ranks 0 and 1 of 3 load on their own process group, rank 2 never calls load: the two
+    share their reads (one copy in all) and nobody waits for rank 2. (Rank 0 hosts the job's
+    store, so it is the one that stays.)"""
+    from tests.distributed.workers import shared_state
+
+    path = str(tmp_path / "ck")
+    state = shared_state()
+    shardfmt.save(state, path)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    res = check_all_ok(launch("shared_load", 3, {"path": path, "layout": "full", "share_reads": True,
+                                                 "sub_group": [0, 1]}, out_dir=str(tmp_path / "o"), timeout=120))
+    assert res[2]["outside"] and all(res[r]["equal"] == sorted(state) for r in (0, 1)), res
+    assert size <= res[0]["bytes_read"] + res[1]["bytes_read"] <= 1.01 * size

@@ -8,8 +8,8 @@ it verifies) to one all-gather over the load's process group. Ranks with equal k
 (``owners``: largest reads first, to the member with the fewest bytes so far, ties to the
 lowest), the owner reads and verifies it as usual, and broadcasts the bytes to the group;
 every member copies them into its own targets. A rank whose key matches no other rank's reads
-on its own, as before. Cost: one all-gather of 3 integers per rank (O(N) bytes), and one
-process group per read group, created once and kept for later loads of the same grouping.
+on its own, as before. Cost: one all-gather of 3 integers per rank (O(N) bytes), and one gloo
+process group per read group, created by its members once and kept for later loads.
 
 Failures never leave a member waiting: a rank that fails before the all-gather still joins it
 (``Share.fail``), and then no rank shares; an owner whose read fails broadcasts a failed flag
@@ -90,8 +90,9 @@ class Share:
 
 
 class _Groups:
-    """The gloo groups of read groups, created once under a default process group (every rank
-    creates every group, in the same order, as ``new_group`` requires) and kept for later loads."""
+    """The gloo groups of read groups, created once under a default process group and kept for
+    later loads. Only a group's members create it (``use_local_synchronization``): a load on a
+    sub-group of the job never waits for ranks outside it."""
 
     def __init__(self) -> None:
         self._world = None
@@ -104,7 +105,8 @@ class _Groups:
         group = self._made.get(members)
         if group is None:
             kwargs = {} if timeout is None else {"timeout": timeout}
-            group = self._made[members] = torch.distributed.new_group(list(members), backend="gloo", **kwargs)
+            group = self._made[members] = torch.distributed.new_group(
+                list(members), backend="gloo", use_local_synchronization=True, **kwargs)
         return group
 
 
@@ -127,14 +129,12 @@ def agree(plan: LoadPlan | None, save_id: str | None, group, *,
     if plan is None or any(int(r[0]) == 0 for r in rows):  # a rank failed: nobody waits on it
         return None
     me = dist.get_rank(group)
-    share = None
     for g in read_groups([r[1:].numpy().tobytes() for r in rows]):
-        members = tuple(ranks[i] for i in g)
-        made = GROUPS.get(members, timeout)
         if me in g:
-            share = Share(group=made, members=members, me=g.index(me),
-                          owners=owners([r.byte_range.length for r in plan.reads], len(g)))
-    return share
+            members = tuple(ranks[i] for i in g)
+            return Share(group=GROUPS.get(members, timeout), members=members, me=g.index(me),
+                         owners=owners([r.byte_range.length for r in plan.reads], len(g)))
+    return None
 
 
 __all__ = ["Share", "agree", "owners", "read_groups", "reads_key"]

@@ -674,12 +674,17 @@ def shared_load(rank, world, args):
     else:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         targets = {k: distribute_tensor(torch.zeros_like(t), mesh, [Replicate(), Shard(0)]) for k, t in full.items()}
-    dist.barrier()
+    group = None
+    if args.get("sub_group"):  # only these ranks load, on their own process group
+        group = dist.new_group(args["sub_group"])
+        if rank not in args["sub_group"]:
+            return {"outside": True}
+    dist.barrier(group=group)
     if rank == args.get("skip_rank"):  # this rank gives the load up: it joins the others' agreement
         shardfmt.skip_load(args["path"], share_reads=args.get("share_reads"))
         return {"skipped": True}
     try:
-        rep = shardfmt.load(targets, args["path"], share_reads=args.get("share_reads"))
+        rep = shardfmt.load(targets, args["path"], share_reads=args.get("share_reads"), process_group=group)
     except shardfmt.errors.ShardfmtError as e:
         return {"error": type(e).__name__, "message": str(e)}
     got = {k: (t.full_tensor() if hasattr(t, "full_tensor") else t) for k, t in targets.items()}
