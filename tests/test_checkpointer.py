@@ -741,3 +741,24 @@ def test_a_checkpoint_given_as_the_root_is_an_error_naming_its_parent(tmp_path, 
     with pytest.raises(shardfmt.errors.CheckpointNotFoundError, match=match):
         Checkpointer(path, allow_fresh_start=True).save(1, {"model": torch.nn.Linear(2, 2)})
     assert sorted(os.walk(tmp_path)) == before  # nothing written inside a checkpoint
+
+
+def test_a_root_another_rank_creates_between_two_looks_is_a_root_not_a_file(tmp_path, monkeypatch):
+    """probe_root looked (no directory), then another rank of the job made the root: the second
+    look finds a directory, not "a file" (a race a 2-rank CI run met)."""
+    from shardfmt.io.registry import get_storage
+    from shardfmt.training.roots import probe_root
+
+    storage, root = get_storage(str(tmp_path / "root"))
+    real_isdir, looks = storage.isdir, []
+
+    def isdir(path):
+        looks.append(path)
+        if len(looks) == 1:
+            got = real_isdir(path)
+            os.makedirs(tmp_path / "root")  # the other rank, just after this rank's first look
+            return got
+        return real_isdir(path)
+
+    monkeypatch.setattr(storage, "isdir", isdir)
+    assert probe_root(storage, root) == "root"

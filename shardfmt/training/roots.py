@@ -122,6 +122,8 @@ def probe_root(storage: Storage, root: str) -> str:
     if is_dir:
         return "root"
     if storage.exists(root):
+        if storage.isdir(root):  # another rank of the job made it since the first look
+            return "root"
         raise CheckpointNotFoundError(f"{storage.url(root)}: is a file, not a Checkpointer root (a directory)")
     if storage.remote:  # prefixes exist only by holding objects: what must exist is the bucket
         return "new" if storage.bucket_exists(root) else "orphan"
