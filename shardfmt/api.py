@@ -66,6 +66,7 @@ def save(
     write_workers: int | None = None,
     part_size: int | None = None,
     format_version: int | None = None,
+    base: str | None = None,
     options: SaveOptions | None = None,
 ) -> Manifest:
     """Save ``state_dict`` as a committed checkpoint at ``path`` (a directory or fsspec URL).
@@ -85,7 +86,11 @@ def save(
     ``check_replicas`` makes that an error, and verifies that replicated tensors agree too.
     ``write_workers`` threads (default: this rank's share of the cores, at most 4) write and
     hash ``part_size`` parts of a file in parallel. ``format_version=1`` writes what readers
-    released before format 2 read (default 2: spec/FORMAT.md). Each knob left None takes its
+    released before format 2 read (default 2: spec/FORMAT.md). ``base``: an earlier committed
+    checkpoint in the same directory as ``path``; only shards whose bytes differ from it are
+    written, the others are referenced (an incremental checkpoint: it needs its base to load,
+    spec/FORMAT.md section 4.10; the Checkpointer's ``incremental=True`` manages the chain).
+    Each knob left None takes its
     value from ``options`` (a ``SaveOptions``, which owns the defaults).
 
     Returns the committed manifest: in format 2 its root, which lists no file and no shard
@@ -94,7 +99,7 @@ def save(
     opts = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options, chunk_size=chunk_size,
                               sync=sync, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
                               write_workers=write_workers, part_size=part_size,
-                              format_version=format_version)
+                              format_version=format_version, base=base)
     coord = coordinator_for(process_group, opts.timeout)
     return run_save(prepare(state_dict, coord.rank), path, coord=coord, options=opts, step=step, metadata=metadata)
 

@@ -694,3 +694,27 @@ def test_a_corrupt_chunk_read_for_a_read_group_fails_every_member_without_a_hang
     assert all(r.get("error") == "IntegrityError" for r in got), got
     owners = [r for r in got if "read these bytes for its read group" not in r["message"]]
     assert len(owners) == 1 and "hashes to" in owners[0]["message"], got
+
+
+def test_incremental_checkpoints_on_s3_upload_only_what_changed_and_keep_their_bases(server, bucket):
+    """spec/FORMAT.md section 4.10 on an object store: the second save uploads the changed shard
+    alone (bytes counted at the server), names its base in BASES while it runs, and retention
+    (keep_last=1) keeps the base the kept checkpoint needs; the restore is bit-exact."""
+    root = f"{bucket}/inc"
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weight: the frozen part
+    model.weight.requires_grad_(False)
+    with shardfmt.Checkpointer(root, incremental=True, keep_last=1) as ck:
+        ck.save(1, {"model": model})
+        server.reset_stats()
+        with torch.no_grad():
+            model.bias += 1
+        ck.save(2, {"model": model})
+        uploaded = server.stats()["bytes_in"]
+    assert uploaded < 64 << 10, uploaded  # the 4 KiB bias, its index and the metadata: not 4 MiB
+    assert [(i.step, i.status) for i in ck.list()] == [(1, "committed"), (2, "committed")]
+    fs = _fs(server)
+    assert orjson.loads(fs.cat_file(f"{root[5:]}/step_000000002/BASES")) == {"bases": ["step_000000001"]}
+    assert shardfmt.validate(f"{root}/step_000000002", deep=True).ok
+    fresh = torch.nn.Linear(1024, 1024)
+    assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 2
+    assert bytes_equal(fresh.weight, model.weight) and bytes_equal(fresh.bias, model.bias)

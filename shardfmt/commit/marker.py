@@ -45,6 +45,7 @@ from shardfmt.errors import (
 )
 from shardfmt.format import hashing
 from shardfmt.format.manifest import (
+    BASES_NAME,
     COMMITTED_NAME,
     DATA_DIR,
     INDEX_DIR,
@@ -197,7 +198,7 @@ class MarkerCommit:
                 mine.append(MANIFEST_NAME)
             for n in mine:
                 st.remove_tree(st.join(path, n))
-            if set(names) - set(mine) <= {LEASE_NAME}:
+            if set(names) - set(mine) <= {LEASE_NAME, BASES_NAME}:
                 if lease_owner(st, path) in (save_id, None):  # never the LEASE of a save that took over
                     st.remove_tree(path)
         except (OSError, ShardfmtError):

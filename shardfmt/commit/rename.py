@@ -41,6 +41,7 @@ from shardfmt.errors import (
 )
 from shardfmt.format import hashing
 from shardfmt.format.manifest import (
+    BASES_NAME,
     COMMITTED_NAME,
     DATA_DIR,
     INDEX_DIR,
@@ -216,7 +217,8 @@ class RenameCommit:
         if not _STAGING_RE.fullmatch(name) or not self.store.isdir(path):
             return "keep"
         names = self.store.list_tree(path, within=root)
-        return "leftover" if all(n in (MANIFEST_NAME, COMMITTED_NAME) or is_save_file(n) for n in names) else "keep"
+        return "leftover" if all(n in (MANIFEST_NAME, COMMITTED_NAME, BASES_NAME) or is_save_file(n)
+                                 for n in names) else "keep"
 
     def dead_uploads(self, root: str) -> list[tuple[str, str]]:
         return []  # a file is written in place: no upload outlives its writer

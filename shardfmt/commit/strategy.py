@@ -34,6 +34,7 @@ from typing import Literal, Protocol
 
 from shardfmt.errors import StorageError
 from shardfmt.format.manifest import (
+    BASES_NAME,
     DATA_DIR,
     LEASE_NAME,
     MANIFEST_NAME,
@@ -95,7 +96,7 @@ def require_utf8(path: str) -> None:
         raise StorageError(f"{path!r}: a checkpoint path must be valid UTF-8; rename the directory") from None
 
 
-SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME)
+SAVE_NAMES = (LEASE_NAME, MANIFEST_NAME, QUARANTINED_NAME, BASES_NAME)
 
 
 _INDEX_RE = re.compile(r"index/(rank_[0-9]{5}|ranks_[0-9]{8})(\.[A-Za-z0-9_-]{1,128})?\.json")

@@ -48,13 +48,15 @@ class IndexedFile:
     """A data file as its writer's index records it: sizes, header digest and chunk digests.
 
     ``chunks`` are the raw 16-byte digests of the file's shard-aligned chunks, concatenated
-    in file order (spec section 7)."""
+    in file order (spec section 6). ``keys``: a base's file that an incremental checkpoint
+    references (section 4.10), the header keys of the shards it takes; None for an own file."""
 
     size: int
     header_size: int
     header_digest: str
     digest: str
     chunks: bytes
+    keys: tuple[str, ...] | None = None
 
     @property
     def chunk_count(self) -> int:
@@ -66,8 +68,11 @@ class IndexedFile:
         return tuple(hashing.format_digest(c[i:i + 16]) for i in range(0, len(c), 16))
 
     def to_json(self) -> dict:
-        return {"size": self.size, "header_size": self.header_size, "header_digest": self.header_digest,
-                "digest": self.digest, "chunks": self.chunks.hex()}
+        out = {"size": self.size, "header_size": self.header_size, "header_digest": self.header_digest,
+               "digest": self.digest, "chunks": self.chunks.hex()}
+        if self.keys is not None:
+            out["keys"] = list(self.keys)
+        return out
 
     @classmethod
     def of(cls, record: FileRecord) -> IndexedFile:

@@ -25,6 +25,7 @@ INDEX_DIR = "index"  # v2: rank table parts and rank indexes (spec/FORMAT.md sec
 MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
 LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec/ROOTS.md section 1)
+BASES_NAME = "BASES"  # an incremental save's base, named while it runs (spec/ROOTS.md section 1)
 QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a bad checkpoint aside; they mark it
 DATA_DIR = "data"
 

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from shardfmt.errors import FormatVersionError, ManifestError
-from shardfmt.format import jsonscan
+from shardfmt.format import jsonscan, refs
 from shardfmt.format.dtypes import SUPPORTED_DTYPES, itemsize
 from shardfmt.format.fields import (
     RANK_KEY_RE,
@@ -64,7 +64,7 @@ from shardfmt.format.manifest import (
 ROOT_FIELDS = frozenset({"format", "format_version", "save_id", "step", "created_at", "writer", "hash_algorithm",
                          "chunk_size", "metadata", "topology", "tensors", "storages", "values", "ranks",
                          "extensions"})
-KNOWN_EXTENSIONS: frozenset[str] = frozenset()  # none yet: every extension met is unknown to this reader
+KNOWN_EXTENSIONS: frozenset[str] = frozenset({refs.EXTENSION})  # section 4.10
 MAX_WRITER = (1 << 24) - 1
 _HEX_RE = re.compile(rb"[0-9a-f]*")
 _TAG_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -237,6 +237,10 @@ def _extensions(v: Any, budget: Budget) -> dict[str, Extension]:
                                      "reader does not know; upgrade shardfmt to read it", version=2)
         out[str_field(name, "extensions key", max_len=256)] = Extension(
             required=o["required"], value=plain(o["value"], budget, where + ".value", depth=3))
+    if refs.EXTENSION in out:
+        if not out[refs.EXTENSION].required:
+            raise fail(f"extensions[{refs.EXTENSION!r}].required", "must be true (it changes where data is)")
+        refs.parse_chain(out[refs.EXTENSION].value)
     return out
 
 
@@ -292,14 +296,16 @@ def parse_rank_entry(v: Any, *, rank: int, where: str, save_id: str | None = Non
                      digest=digest_field(eo["digest"], where + ".digest"))
 
 
-def parse_rank_index(raw: bytes, *, rank: int, save_id: str, source: str) -> RankIndex:
-    """Parse rank ``rank``'s index (its digest already checked against the rank table)."""
+def parse_rank_index(raw: bytes, *, rank: int, save_id: str, source: str,
+                     bases: frozenset[str] = frozenset()) -> RankIndex:
+    """Parse rank ``rank``'s index (its digest already checked against the rank table);
+    ``bases``: the checkpoints whose files it may reference (the root's chain, section 4.10)."""
     o = _document(raw, source=source, kind="rank", save_id=save_id, limit=MAX_INDEX_BYTES)
     budget = Budget.for_document(len(raw), source)
     try:
         check_keys(o, "", {"format", "kind", "save_id", "rank", "files", "values"})
         int_field(o["rank"], "rank", lo=rank, hi=rank)
-        files = {parse_file_name(k, f"files[{k!r}]"): _indexed_file(v, f"files[{k!r}]")
+        files = {_indexed_name(k, f"files[{k!r}]", bases): _indexed_file(v, f"files[{k!r}]", ref=refs.split(k)[0])
                  for k, v in obj_field(o["files"], "files").items()}
         values = {str_field(k, "values key"): plain(v, budget, f"values[{k!r}]", depth=3)
                   for k, v in obj_field(o["values"], "values").items()}
@@ -308,8 +314,28 @@ def parse_rank_index(raw: bytes, *, rank: int, save_id: str, source: str) -> Ran
     return RankIndex(save_id=save_id, rank=rank, files=files, values=values)
 
 
-def _indexed_file(v: Any, where: str) -> IndexedFile:
-    o = record_fields(v, where, {"size", "header_size", "header_digest", "digest", "chunks"})
+def _indexed_name(name: Any, where: str, bases: frozenset[str]) -> str:
+    """An own file's name, or ``<base>/data/<file>`` of a base the root lists (section 4.10)."""
+    base, inner = refs.split(str_field(name, where))
+    if base is None and not name.startswith("data/"):
+        raise fail(where, f"file path {name!r} is neither data/<name>.safetensors nor <base>/data/<name>.safetensors")
+    if base is not None and base not in bases:
+        raise fail(where, f"names a file of {base!r}, which is not a base of this checkpoint")
+    parse_file_name(inner, where)
+    return name
+
+
+def _keys(v: Any, where: str) -> tuple[str, ...]:
+    keys = list_field(v, where, max_len=1 << 24)
+    out = tuple(str_field(k, f"{where}[{i}]", max_len=4096) for i, k in enumerate(keys))
+    if not out or list(out) != sorted(set(out)):
+        raise fail(where, "expected a non-empty list of distinct header keys in sorted order")
+    return out
+
+
+def _indexed_file(v: Any, where: str, *, ref: str | None = None) -> IndexedFile:
+    fields = {"size", "header_size", "header_digest", "digest", "chunks"}
+    o = record_fields(v, where, fields | {"keys"} if ref is not None else fields)
     size = int_field(o["size"], where + ".size", hi=1 << 62)
     header_size = int_field(o["header_size"], where + ".header_size", lo=8, hi=8 + 100_000_000)
     if header_size > size:
@@ -319,5 +345,6 @@ def _indexed_file(v: Any, where: str) -> IndexedFile:
         raise fail(where + ".chunks", "expected raw chunk digests as lowercase hex, 32 digits each")
     return IndexedFile(size=size, header_size=header_size,
                        header_digest=digest_field(o["header_digest"], where + ".header_digest"),
-                       digest=digest_field(o["digest"], where + ".digest"), chunks=bytes.fromhex(text.decode()))
+                       digest=digest_field(o["digest"], where + ".digest"), chunks=bytes.fromhex(text.decode()),
+                       keys=None if ref is None else _keys(o["keys"], where + ".keys"))
 

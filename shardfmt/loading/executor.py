@@ -21,7 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from shardfmt.errors import IntegrityError, ManifestError, ShardfmtError
+from shardfmt.errors import CheckpointNotFoundError, IntegrityError, ManifestError, ShardfmtError
+from shardfmt.format import refs
 from shardfmt.format.hashing import ChunkGrid, ChunkHasher
 from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
@@ -62,9 +63,12 @@ class _Readers:
                 want = self._files[name].size
                 # Object stores: trust the manifest's size (a HEAD per file saved); a short
                 # file then fails its ranged read, a changed one its chunk hashes.
-                r = self._storage.open_reader(self._storage.join(self._root, name),
-                                              size=want if self._storage.remote else None,
-                                              within=self._within)
+                full, where = refs.location(self._storage.join, self._root, name)
+                try:
+                    r = self._storage.open_reader(full, size=want if self._storage.remote else None,
+                                                  within=None if self._within is None else where)
+                except CheckpointNotFoundError:
+                    raise IntegrityError(refs.missing_file(name)) from None
                 if r.size != want:
                     r.close()
                     raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")

@@ -21,7 +21,7 @@ from shardfmt.errors import (
     SpecialFileError,
     StorageError,
 )
-from shardfmt.format import hashing
+from shardfmt.format import hashing, refs
 from shardfmt.format.manifest import (
     COMMITTED_NAME,
     DATA_DIR,
@@ -169,8 +169,11 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
 def _check_file_header(storage: Storage, path: str, manifest: Manifest, name: str,
                        shards: list[tuple[str, ShardRecord]]) -> None:
     frec = manifest.files[name]
-    reader = storage.open_reader(storage.join(path, name), size=frec.size if storage.remote else None,
-                                 within=path)
+    full, within = refs.location(storage.join, path, name)
+    try:
+        reader = storage.open_reader(full, size=frec.size if storage.remote else None, within=within)
+    except CheckpointNotFoundError:
+        raise IntegrityError(refs.missing_file(name)) from None
     try:
         if reader.size != frec.size:
             raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")

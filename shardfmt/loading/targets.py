@@ -23,7 +23,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shardfmt.errors import DTypeError, IntegrityError, ManifestError, ShapeError, StateDictError
+from shardfmt.errors import (
+    CheckpointNotFoundError,
+    DTypeError,
+    IntegrityError,
+    ManifestError,
+    ShapeError,
+    StateDictError,
+)
+from shardfmt.format import refs
 from shardfmt.format.dtypes import torch_dtype
 from shardfmt.format.manifest import Manifest, TensorRecord, view_reach
 from shardfmt.format.tensor_bytes import is_direct
@@ -243,7 +251,11 @@ def allocate_view_buffers(storage: Storage, path: str, manifest: Manifest, plan:
             raise ManifestError(f"{path}: {shard.file}: the shards read from it claim more bytes than the "
                                 f"{frec.size - frec.header_size} after its header (shards share bytes; tensor {fqn!r})")
     for name in sorted({shard.file for fqn, shard in plan.shards if fqn in bases}):
-        size = storage.size(storage.join(path, name), within=path)
+        full, within = refs.location(storage.join, path, name)
+        try:
+            size = storage.size(full, within=within)
+        except CheckpointNotFoundError:
+            raise IntegrityError(refs.missing_file(name)) from None
         if size != manifest.files[name].size:
             raise IntegrityError(f"{name}: file is {size} bytes, manifest says {manifest.files[name].size}")
     return [replace(t, dst=torch.empty(t.dst.shape, dtype=t.dst.dtype)) if t.dst.is_meta else t for t in targets]

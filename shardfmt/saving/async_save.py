@@ -208,6 +208,7 @@ def async_save(
     write_workers: int | None = None,
     part_size: int | None = None,
     format_version: int | None = None,
+    base: str | None = None,
     stager: Stager | None = None,
     policy: str = "wait",
     stage: str = "call",
@@ -232,7 +233,7 @@ def async_save(
     opts = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options, chunk_size=chunk_size,
                               sync=sync, timeout=timeout, mesh=mesh, check_replicas=check_replicas,
                               write_workers=write_workers, part_size=part_size,
-                              format_version=format_version)
+                              format_version=format_version, base=base)
     if metadata is not None:  # part of the snapshot: a change after the call must not reach the manifest
         metadata = jsonvalue.decode(jsonvalue.encode(metadata, where="metadata"), where="metadata")
     stager = stager or default_stager(process_group)

@@ -40,6 +40,7 @@ from shardfmt.format.parse import (
     parse_tensor_record,
 )
 from shardfmt.format.parse_v2 import parse_rank_entry
+from shardfmt.format.refs import Chain, check_base, parse_chain, split
 from shardfmt.layout.geometry import Box
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
@@ -260,10 +261,12 @@ class Written:
     file: WrittenFile | None = None
     index: RankEntry | None = None
     names: tuple[str, ...] = ()
+    chain: Chain | None = None  # an incremental save: the bases this rank's index references
 
     def to_json(self) -> dict:
         return {"file": None if self.file is None else self.file.to_json(),
-                "index": None if self.index is None else self.index.to_json(), "names": list(self.names)}
+                "index": None if self.index is None else self.index.to_json(), "names": list(self.names),
+                "chain": None if self.chain is None else self.chain.to_extension().value}
 
     @classmethod
     def decoder(cls, tensors: Mapping[str, TensorRecord]):
@@ -271,8 +274,18 @@ class Written:
             f, i = o["file"], o["index"]
             return cls(file=None if f is None else WrittenFile.from_json(f, rank=rank, tensors=tensors),
                        index=None if i is None else parse_rank_entry(i, rank=rank, where=_where(rank, "index")),
-                       names=tuple(parse_file_name(n, _where(rank, "names")) for n in o["names"]))
+                       names=tuple(_indexed_name(n, _where(rank, "names")) for n in o["names"]),
+                       chain=None if o["chain"] is None else parse_chain(o["chain"], _where(rank, "chain")))
         return decode
+
+
+def _indexed_name(name: Any, where: str) -> str:
+    """A name a rank index holds: its own ``data/...`` file or a base's ``<base>/data/...`` (section 4.10)."""
+    base, inner = split(str(name))
+    if base is not None:
+        check_base(base, where)
+    parse_file_name(inner, where)
+    return str(name)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

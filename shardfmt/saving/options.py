@@ -50,7 +50,9 @@ class SaveOptions:
     ``write_workers`` threads (None: this rank's share of the cores, at most 4) write and hash
     ``part_size`` parts of a file in parallel. ``format_version`` 2 writes what a rank of any
     job size reads in time proportional to its part (spec/FORMAT.md); 1 keeps checkpoints
-    readable by readers released before version 2.
+    readable by readers released before version 2. ``base`` (format 2): an earlier committed
+    checkpoint next to ``path``; the save writes only the shards whose bytes differ from it and
+    references the others (an incremental checkpoint, spec/FORMAT.md section 4.10).
     """
 
     overwrite: bool = False
@@ -63,6 +65,7 @@ class SaveOptions:
     write_workers: int | None = None
     part_size: int = DEFAULT_PART_SIZE
     format_version: int = 2
+    base: str | None = None
     _seams: Seams = field(default=NO_SEAMS, repr=False)
 
     @classmethod
@@ -75,6 +78,8 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.format_version not in WRITE_VERSIONS:
             raise StateDictError(f"format_version must be one of {list(WRITE_VERSIONS)}, got {self.format_version!r}")
+        if self.base is not None and self.format_version < 2:
+            raise StateDictError("base= (an incremental save) needs format_version 2")
 
     @property
     def seams(self) -> Seams:

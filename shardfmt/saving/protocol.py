@@ -37,6 +37,7 @@ import xxhash
 
 from shardfmt.errors import ShardfmtError, StateDictError
 from shardfmt.format import hashing
+from shardfmt.format.index import IndexedFile
 from shardfmt.format.manifest import (
     ListedShard,
     Manifest,
@@ -46,6 +47,7 @@ from shardfmt.format.manifest import (
     rank_file_name,
 )
 from shardfmt.format.parse import check_step
+from shardfmt.format.refs import Chain
 from shardfmt.format.tensor_bytes import byte_pieces
 from shardfmt.io.registry import get_storage
 from shardfmt.layout.topology import Mesh, TopologyError
@@ -56,6 +58,7 @@ from shardfmt.saving.agreement import (
     check_agreement,
     value_bucket,
 )
+from shardfmt.saving.base import base_name, read_root, try_read_base
 from shardfmt.saving.claims import Group, claims_digest, first_of_groups, split_claims
 from shardfmt.saving.coordinator import Coordinator
 from shardfmt.saving.describe import Prepared
@@ -101,7 +104,7 @@ def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: Save
     if storage is None:
         storage, path = get_storage(path, options.storage_options)
     run = _Run(prepared=prepared, snapshot=snapshot, coord=coord, options=options, storage=storage, path=path,
-               topology=topology)
+               topology=topology, base=None if options.base is None else get_storage(options.base, options.storage_options)[1])
     state = run.agree(step)
     if options.format_version >= 2:
         return _save_v2(run, state, topology, step=step, metadata=metadata)
@@ -131,6 +134,7 @@ def _save_v2(run: _Run, state: RankState | RankError, topology: Topology, *, ste
     if coord.rank == 0:
         full, msg = plan_at_root(summaries, run.groups, topology, world=coord.world,
                                  check_replicas=run.options.check_replicas)
+        msg = run.with_base_chunk(msg)
     plan = coord.broadcast(msg, WritePlan.from_json, "planning the save")
     coord.raise_failures(plan.failures, "describing the state")
     if run.options.chunk_size is None:  # the same on every rank: rank 0 picked it
@@ -189,12 +193,15 @@ class _Run:
     staged: Staged | None = None
     agreement: Agreement | None = None
     groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # v2: first rank -> its group
+    base: str | None = None  # an incremental save's base (``saving.base``), as the storage resolves it
 
     def agree(self, step: int | None) -> RankState | RankError:
         """2) Agree on the step, the destination and the replicated values; return this rank's message."""
         state, rank = self.prepared.state, self.coord.rank
         try:
             check_step(step)  # before any data moves
+            if self.base is not None:
+                base_name(self.path, self.base)
         except StateDictError as e:
             if not isinstance(state, RankError):
                 state = RankError.of(rank, e)
@@ -242,6 +249,15 @@ class _Run:
                    for fqn, ps in self.prepared.pieces.items() for box, data in ps}
         return dataclasses.replace(state, replica_digests=digests)
 
+    def with_base_chunk(self, plan: WritePlan) -> WritePlan:
+        """Rank 0, an incremental save: the base's hash chunk, unless the caller chose one (``saving.base``)."""
+        if self.base is None or self.options.chunk_size is not None or plan.failures:
+            return plan
+        try:
+            return dataclasses.replace(plan, chunk_size=read_root(self.storage, self.base).chunk_size)
+        except (ShardfmtError, OSError):
+            return plan  # every rank then finds the base unusable or its chunks unlike: a full save
+
     def stage(self) -> CheckpointWriter | None:
         """5) Rank 0 checks the destination and stages; every rank learns where (or why not)."""
         writer, msg = None, None
@@ -265,6 +281,7 @@ class _Run:
             if self.snapshot is not None:
                 self.prepared = self.snapshot()
             items = my_items(state, self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
+            items, taken, chain = self._take_from_base(items)
             file = None
             if items:
                 name = rank_file_name(rank, None, self.staged.name_tag)
@@ -274,7 +291,7 @@ class _Run:
                                         part_size=opts.part_size, aligned=opts.format_version >= 2)
             # A snapshot counts only whole: pieces other ranks write must have been copied here too.
             self.prepared.wait_ready()
-            msg: Written | RankError = self._written(file, state)
+            msg: Written | RankError = self._written(file, state, taken, chain)
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
         results = gather(msg, decode, "gathering write results")
@@ -285,16 +302,27 @@ class _Run:
         self.coord.raise_failures(failed, "writing shard files")
         return results
 
-    def _written(self, file: WrittenFile | None, state: RankState) -> Written:
+    def _take_from_base(self, items: list[WriteItem]) -> tuple[list[WriteItem], dict[str, IndexedFile], Chain | None]:
+        """An incremental save: the items still to write, the base's files holding the others, the chain."""
+        if self.base is None or not items:
+            return items, {}, None
+        base = try_read_base(self.storage, self.path, self.base, self.coord.rank)
+        if base is None:
+            return items, {}, None
+        items, taken = base.take(items, self.options.chunk_size)
+        return items, taken, base.chain_for(list(taken))
+
+    def _written(self, file: WrittenFile | None, state: RankState, taken: Mapping[str, IndexedFile],
+                 chain: Chain | None) -> Written:
         """What this rank reports of its writing: v1, the file; v2, the index it then writes."""
         if self.options.format_version < 2:
             return Written(file=file)
-        if file is None and not state.per_rank:
+        if file is None and not state.per_rank and not taken:
             return Written()
+        files = {} if file is None else {file.name: IndexedFile.of(file.record)}
         entry = write_rank_index(self.storage, self.staged.staging, rank=self.coord.rank, save_id=self.staged.save_id,
-                                 name_tag=self.staged.name_tag, files={} if file is None else {file.name: file.record},
-                                 values=dict(state.per_rank))
-        return Written(index=entry, names=() if file is None else (file.name,))
+                                 name_tag=self.staged.name_tag, files={**files, **taken}, values=dict(state.per_rank))
+        return Written(index=entry, names=tuple(sorted(files)) + tuple(taken), chain=chain)
 
     def commit(self, writer: CheckpointWriter | None, build: Callable[[], Manifest]) -> Manifest:
         """7) Rank 0 records every file and commits (``build``); every rank gets the manifest (or the error)."""
@@ -359,6 +387,8 @@ def commit_v2(writer: CheckpointWriter, plan: PlacedPlan, summaries: list[Summar
     for rank, w in enumerate(written):
         if w.index is not None:
             writer.add_rank_entry(rank, w.index, files=w.names)
+        if w.chain is not None:
+            writer.add_chain(w.chain)
     _add_records(writer, summaries)
     return writer.commit(step=step, metadata=metadata, topology=topology)
 

@@ -18,10 +18,11 @@ from shardfmt.io.store import Storage
 
 
 def write_rank_index(storage: Storage, staging: str, *, rank: int, save_id: str, name_tag: str | None,
-                     files: Mapping[str, FileRecord], values: Mapping[str, Any]) -> RankEntry:
-    """Write rank ``rank``'s index into ``staging`` (values already typed JSON); return its entry."""
-    raw = RankIndex(save_id=save_id, rank=rank, files={n: IndexedFile.of(f) for n, f in files.items()},
-                    values=values).to_json()
+                     files: Mapping[str, FileRecord | IndexedFile], values: Mapping[str, Any]) -> RankEntry:
+    """Write rank ``rank``'s index into ``staging`` (values already typed JSON; ``files`` may
+    hold a base's files an incremental save takes shards from); return its entry."""
+    raw = RankIndex(save_id=save_id, rank=rank, values=values,
+                    files={n: f if isinstance(f, IndexedFile) else IndexedFile.of(f) for n, f in files.items()}).to_json()
     name = rank_index_name(rank, name_tag)
     storage.makedirs(storage.join(staging, INDEX_DIR))
     storage.write_bytes(storage.join(staging, name), raw)

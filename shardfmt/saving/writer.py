@@ -16,15 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import torch
 
 from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
-from shardfmt.errors import CommitError, ShapeError, StateDictError
-from shardfmt.format import hashing, jsonvalue
+from shardfmt.errors import CheckpointNotFoundError, CommitError, ShapeError, StateDictError
+from shardfmt.format import hashing, jsonvalue, refs
 from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.index import RankEntry, rank_table
 from shardfmt.format.manifest import (
+    BASES_NAME,
     INDEX_DIR,
     FileRecord,
     ListedShard,
@@ -156,6 +158,8 @@ class CheckpointWriter:
         self._external_files: set[str] = set()  # v2: data files other processes wrote
         self._topology = topology  # v2: known before the files are written (or given at the commit)
         self._checks: dict[str, PlacedCheck] = {}  # v2: placed tensors checked file by file
+        self._chain: refs.Chain | None = None  # v2: an incremental save's bases (spec section 4.10)
+        self._base = opts.base
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -169,7 +173,20 @@ class CheckpointWriter:
             self._staging = _commit.prepare(self.storage, self.path, self.save_id, overwrite=self._overwrite,
                                             lease_seconds=self._lease_seconds)
             self._lease = _Lease(self.storage, self._staging, self._lease_seconds, self.save_id)
+            if self._base is not None:
+                self._name_base(self._staging)
         return self._staging
+
+    def _name_base(self, staging: str) -> None:
+        """An incremental save names its base in its staging location while it runs, so that
+        retention elsewhere keeps the base (spec/ROOTS.md section 1)."""
+        name = self._base.rstrip("/").rpartition("/")[2]
+        try:
+            self.storage.write_bytes(self.storage.join(staging, BASES_NAME),
+                                     orjson.dumps({"bases": [name]}) + b"\n", sync=self._sync)
+        except BaseException:
+            self.abort()
+            raise
 
     @property
     def staging(self) -> str:
@@ -297,6 +314,14 @@ class CheckpointWriter:
         self._rank_entries[rank] = entry
         self._external_files.update(files)
 
+    def add_chain(self, chain: refs.Chain) -> None:
+        """v2: record bases a rank's index references (an incremental save): the union is kept."""
+        if self._chain is None:
+            self._chain = chain
+        else:
+            self._chain = refs.Chain(bases={**self._chain.bases, **chain.bases},
+                                     depth=max(self._chain.depth, chain.depth))
+
     # -- 3) other records
     def add_alias(self, fqn: str, target: str) -> None:
         self._aliases[fqn] = target
@@ -393,6 +418,7 @@ class CheckpointWriter:
             writer=self._writer_versions, chunk_size=self.chunk_size,
             metadata=jsonvalue.encode(metadata, where="metadata"), topology=topology,
             tensors=self._links(tensors), storages=storages, values=values, ranks=self._stage_rank_table(topology),
+            extensions={} if self._chain is None else {refs.EXTENSION: self._chain.to_extension()},
         )
 
     def _stage_rank_table(self, topology: Topology) -> tuple[RankPart, ...]:
@@ -458,8 +484,20 @@ class CheckpointWriter:
         (v1: None, the manifest's files)."""
         if manifest.format_version < 2:
             return None
-        return sorted({*self._files, *self._external_files, *(e.name for e in self._rank_entries.values()),
+        self._check_bases()
+        own = {n for n in self._external_files if refs.split(n)[0] is None}
+        return sorted({*self._files, *own, *(e.name for e in self._rank_entries.values()),
                        *(p.name for p in manifest.ranks)})
+
+    def _check_bases(self) -> None:
+        """An incremental save: every base file a rank's index references must still be there."""
+        for name in sorted(n for n in self._external_files if refs.split(n)[0] is not None):
+            full, within = refs.location(self.storage.join, self.path, name)
+            try:
+                self.storage.size(full, within=within)
+            except CheckpointNotFoundError:
+                raise CommitError(f"{self.storage.url(self.path)}: {refs.missing_file(name)}; nothing was "
+                                  "committed") from None
 
     def _steps(self, name: str) -> None:
         """The commit protocol's step hook: the staged-result check, then the caller's hook."""

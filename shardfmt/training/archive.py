@@ -8,6 +8,10 @@
        the way and refusing to pass on a chunk that does not match the manifest
     3) verify the copy where it now lies: re-read every file there and check its header and
        every chunk hash against the manifest
+
+An incremental checkpoint's bases (spec/FORMAT.md section 4.10) are copied first, each under
+its own name next to ``dst_path`` (a base already there, committed by the same save, is kept):
+the copy references them as the original does.
     4) commit there: the same manifest bytes, then its own ``COMMITTED``
 
 Memory is one ``piece`` buffer plus the destination writer's parts. A failure at any step
@@ -22,11 +26,11 @@ from collections.abc import Callable
 
 from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
-from shardfmt.format import hashing
+from shardfmt.format import hashing, refs
 from shardfmt.format.manifest import DATA_DIR, INDEX_DIR, Manifest
+from shardfmt.io.documents import rank_entries, read_vouched
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.loading.resolve import rank_entries, read_vouched
 from shardfmt.validation import check_files
 
 COPY_PIECE = 16 << 20
@@ -41,6 +45,9 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
     """
     ckpt = open_checkpoint(src_path, storage=src_storage)
     m = ckpt.manifest
+    for base in sorted(refs.bases_of(m)):  # an incremental checkpoint carries its bases (spec section 4.10)
+        copy_checkpoint(src_storage, refs.sibling(ckpt.path, base), dst_storage, refs.sibling(dst_path, base),
+                        piece=piece, verify=verify)
     if _commit.is_committed(dst_storage, dst_path):
         there = open_checkpoint(dst_path, storage=dst_storage)
         if there.manifest.save_id == m.save_id:
@@ -52,7 +59,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
     try:
         dst_storage.makedirs(dst_storage.join(staging, DATA_DIR))
         buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
-        for name in sorted(m.files):
+        for name in sorted(n for n in m.files if refs.split(n)[0] is None):  # a base's files: copied with it
             _copy_file(ckpt.storage, ckpt.path, dst_storage, staging, name, m, buf)
         del buf
         if m.format_version >= 2:
@@ -62,7 +69,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
             if problems:
                 raise IntegrityError(f"{dst_storage.url(dst_path)}: the copy does not verify: "
                                      + "; ".join(str(p) for p in problems[:3]))
-        _commit.publish(dst_storage, dst_path, staging, m)
+        _commit.publish(dst_storage, dst_path, staging, m, required=_own_files(m))
     except BaseException:
         lease.stop()
         if staging != dst_path or not _commit.is_committed(dst_storage, dst_path):
@@ -70,6 +77,13 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         raise
     lease.stop(release=True)
     return m
+
+
+def _own_files(m: Manifest) -> list[str] | None:
+    """What the copy's commit requires still there: its own data files (v1: the manifest's)."""
+    if m.format_version < 2:
+        return None
+    return sorted(n for n in m.files if refs.split(n)[0] is None)
 
 
 def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: str, m: Manifest,

@@ -71,8 +71,9 @@ class Checkpointer:
     Knobs are given as ``options`` (a ``CheckpointerOptions``, where their defaults live) and/or
     as keywords that set its fields: ``keep_last``, ``keep_every``, ``config``,
     ``allow_fresh_start``, ``storage_options``, ``process_group``, ``timeout``, ``lease_seconds``,
-    ``mesh``, ``archive`` (a URL), ``archive_every``, ``archive_storage_options``,
-    ``archive_attempts``, ``archive_backoff`` (``options.KEYWORDS`` maps them to the fields).
+    ``mesh``, ``incremental``, ``full_every``, ``archive`` (a URL), ``archive_every``,
+    ``archive_storage_options``, ``archive_attempts``, ``archive_backoff`` (``options.KEYWORDS``
+    maps them to the fields).
     """
 
     def __init__(self, root: str, *, options: CheckpointerOptions | None = None, **keywords: Any) -> None:
@@ -89,6 +90,7 @@ class Checkpointer:
             self._archiver = Archiver(self.storage, self._archive_tier.storage, self._archive_tier.root, opts.archive)
         self._root_checked = False  # the root rules (spec/ROOTS.md section 1) hold: checked at restore or the first save
         self._saves = PendingSaves()
+        self._chain = _Chain()
         ref = weakref.ref(self)
         at_exit(lambda: ref() is not None and ref()._wait_quietly())
 
@@ -115,15 +117,24 @@ class Checkpointer:
         path = self._step_dir(step)
         url = self.storage.url(path)
         opts = self.options
+        base = self._chain.base(path, opts)
         common = dict(step=step, metadata=meta, storage_options=self.storage_options,
-                      process_group=opts.process_group, timeout=opts.timeout, mesh=opts.mesh)
+                      process_group=opts.process_group, timeout=opts.timeout, mesh=opts.mesh,
+                      base=None if base is None else self.storage.url(base))
         if async_:
             handle = async_save(sd, url, stager=self._saves.stager(), policy=policy, stage=stage,
                                 on_commit=self._after_async_commit, **common)
+            if not handle.skipped:
+                self._chain.saved(path, base)
             self._saves.add(handle)
             return handle
         self._saves.wait()
-        save(sd, url, **common)
+        try:
+            save(sd, url, **common)
+        except BaseException:
+            self._chain.reset()
+            raise
+        self._chain.saved(path, base)
         self._after_commit(step)
         return path
 
@@ -151,7 +162,7 @@ class Checkpointer:
             if self._archiver is not None:
                 self._archiver.schedule(step, self.storage.join(self.root, step_dir_name(step)))
             prune(self.storage, self.root, self.options.retention,
-                  busy=self._archiver.busy if self._archiver is not None else _never)
+                  busy=self._archiver.busy if self._archiver is not None else _never, lease_seconds=self.lease_seconds)
             self.collect_garbage()
         except FAILURES as e:  # the checkpoint is committed; a failed clean-up must not fail it
             warnings.warn(f"{self.root}: retention after step {step} failed: {e}", stacklevel=3)
@@ -239,3 +250,25 @@ def _archive_tier(opts: CheckpointerOptions, root: Tier) -> Tier:
 
 def _never(path: str) -> bool:
     return False
+
+
+class _Chain:
+    """Which checkpoint an incremental save takes unchanged shards from: this Checkpointer's
+    previous save (the same on every rank: every rank makes the same calls), unless it was
+    full ``full_every - 1`` saves ago. The first save of a run is full; so is the one after a
+    failed save. A base that turns out unusable makes a full save (``saving.base``)."""
+
+    def __init__(self) -> None:
+        self._last: str | None = None  # the previous save's path
+        self._since_full = 0  # incremental saves since the last full one
+
+    def base(self, path: str, opts: CheckpointerOptions) -> str | None:
+        if not opts.incremental or self._last is None or self._last == path or self._since_full + 1 >= opts.full_every:
+            return None
+        return self._last
+
+    def saved(self, path: str, base: str | None) -> None:
+        self._last, self._since_full = path, 0 if base is None else self._since_full + 1
+
+    def reset(self) -> None:
+        self._last, self._since_full = None, 0

@@ -62,7 +62,10 @@ class CheckpointerOptions:
     ``config`` is compared with the checkpoint's at restore; ``allow_fresh_start`` lets restore
     (and a root whose parent is missing) start from scratch; ``lease_seconds`` is the saves'
     heartbeat and the collector's judgement of a dead save; ``process_group``, ``timeout`` and
-    ``mesh`` are passed to ``save``/``load``.
+    ``mesh`` are passed to ``save``/``load``. ``incremental`` makes each save after the first of
+    a run write only the shards whose bytes changed since this Checkpointer's previous save and
+    reference the rest there (spec/FORMAT.md section 4.10); every ``full_every``-th save is full,
+    which bounds the chain a restore depends on.
     """
 
     retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
@@ -74,6 +77,13 @@ class CheckpointerOptions:
     timeout: _dt.timedelta | None = None
     lease_seconds: float | None = None
     mesh: Mapping[str, int] | None = None
+    incremental: bool = False
+    full_every: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.incremental, bool):
+            raise ValueError(f"Checkpointer: incremental must be True or False, got {self.incremental!r}")
+        _check_count("full_every", self.full_every)
 
     def with_keywords(self, **keywords: Any) -> CheckpointerOptions:
         """Return these options with the Checkpointer's flat ``keywords`` (``KEYWORDS``) set."""

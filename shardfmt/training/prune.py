@@ -5,7 +5,9 @@ older ones by their markers alone, so a pass costs the same with 10 or 10,000 ch
 (``keep_every``). Before a checkpoint stays as its ``keep_every`` bucket's long-term copy, or goes,
 it is checked in full (once): the copy that stays must be readable, and a checkpoint of a format
 version this reader cannot read (a newer release's) is neither counted nor removed
-(spec/ROOTS.md section 1). A checkpoint being copied to the archive is left for a later pass.
+(spec/ROOTS.md section 1). A checkpoint being copied to the archive is left for a later pass, and so is the base of an
+incremental checkpoint that stays or of a save still running (``chains``): retention never
+breaks a chain (spec/ROOTS.md section 1).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardfmt.io.store import Storage
+from shardfmt.training.chains import live_bases, needed
 from shardfmt.training.options import RetentionPolicy
 from shardfmt.training.retention import to_delete
 from shardfmt.training.roots import checkpoint_status, step_paths
 
 
-def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callable[[str], bool]) -> None:
+def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callable[[str], bool],
+          lease_seconds: float | None = None) -> None:
     """Remove the committed checkpoints under ``root`` that ``policy`` does not keep, except where
-    ``busy(path)`` (being archived)."""
+    ``busy(path)`` (being archived) and the bases that kept checkpoints and live saves (their
+    lease fresh by ``lease_seconds``) still need (``chains``)."""
     committed, full = _committed(storage, root, policy.keep_last)
 
     def status_of(s: int) -> str:
@@ -41,10 +46,18 @@ def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callabl
             break
         for s in drop:
             del committed[s]
+    if doomed:  # incremental checkpoints: never a base that a kept checkpoint or a live save needs
+        kept = [p for s, p in committed.items() if s not in doomed and s > min(doomed)]
+        need = needed(storage, root, kept, live_bases(storage, root, lease_seconds=lease_seconds))
+        doomed = [s for s in doomed if _name(committed[s]) not in need]
     for step in doomed:
         if busy(committed[step]):
             continue  # being copied to the archive: removed by a later retention pass
         storage.remove_tree(committed[step])
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2]
 
 
 def _committed(storage: Storage, root: str, keep_last: int) -> tuple[dict[int, str], dict[int, str]]:

@@ -21,6 +21,7 @@ from shardfmt.errors import (
     SpecialFileError,
     StorageError,
 )
+from shardfmt.format import refs
 from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
@@ -68,9 +69,10 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     m = ckpt.manifest
     for fname, want in sizes.items():
         try:
-            size = storage.size(storage.join(path, fname), within=path)
+            full, within = refs.location(storage.join, path, fname)
+            size = storage.size(full, within=within)
         except CheckpointNotFoundError:
-            return "corrupt", m.step, None, f"{fname} is missing"
+            return "corrupt", m.step, None, refs.missing_file(fname)
         except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
             return "corrupt", m.step, None, str(e)
         if size != want:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from shardfmt.errors import ShardfmtError, SpecialFileError
-from shardfmt.format import hashing, jsonvalue
+from shardfmt.errors import CheckpointNotFoundError, ShardfmtError, SpecialFileError
+from shardfmt.format import hashing, jsonvalue, refs
 from shardfmt.format.index import IndexedFile, RankIndex
-from shardfmt.format.manifest import Manifest, TensorRecord
+from shardfmt.format.manifest import COMMITTED_NAME, MAX_COMMITTED_BYTES, Manifest, TensorRecord
+from shardfmt.format.parse import parse_commit
 from shardfmt.format.parse_v2 import parse_rank_index, parse_rank_part
 from shardfmt.format.safetensors import (
     PREFIX_BYTES,
@@ -26,12 +27,12 @@ from shardfmt.format.safetensors import (
     decode_origins,
     header_length,
 )
+from shardfmt.io.documents import read_vouched
 from shardfmt.io.store import Storage
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.placed import placed_plan, plan_writes
 from shardfmt.layout.tiling import tiling_problems
 from shardfmt.layout.topology import layout_from_record
-from shardfmt.loading.resolve import read_vouched
 from shardfmt.validation.report import Problem
 from shardfmt.validation.v1 import READ_PIECE, check_values
 
@@ -73,6 +74,7 @@ def check_v2(storage: Storage, path: str, m: Manifest, problems: list[Problem], 
             if rec.listed is not None:
                 for msg in tiling_problems([Box(s.offsets, s.lengths) for s in rec.listed], Box.full(rec.shape)):
                     problems.append(Problem(code="tiling", tensor=fqn, message=msg))
+    bases = _check_chain(storage, path, m, problems)
     tally = _Tally(m)
     for part in m.ranks:
         try:
@@ -84,12 +86,39 @@ def check_v2(storage: Storage, path: str, m: Manifest, problems: list[Problem], 
         for r, entry in sorted(table.ranks.items()):
             try:
                 index = parse_rank_index(read_vouched(storage, path, entry.name, entry.size, entry.digest),
-                                         rank=r, save_id=m.save_id, source=entry.name)
+                                         rank=r, save_id=m.save_id, source=entry.name, bases=bases)
             except ShardfmtError as e:
                 problems.append(Problem(code=_read_code(e, "rank_index"), file=entry.name, message=str(e)))
                 continue
             _check_index(storage, path, index, entry.name, tally, problems, deep=deep, progress=progress)
     _check_complete(tally, problems)
+
+
+def _check_chain(storage: Storage, path: str, m: Manifest, problems: list[Problem]) -> frozenset[str]:
+    """An incremental checkpoint's bases (spec section 4.10): each a committed sibling holding
+    the save its chain records. Return the bases (what its rank indexes may name)."""
+    try:
+        chain = refs.chain_of(m)
+    except ShardfmtError as e:
+        problems.append(Problem(code="manifest", message=str(e)))
+        return frozenset()
+    if chain is None:
+        return frozenset()
+    for base, save_id in sorted(chain.bases.items()):
+        where = refs.sibling(path, base)
+        try:
+            got = parse_commit(storage.read_bytes(storage.join(where, COMMITTED_NAME), limit=MAX_COMMITTED_BYTES,
+                                                  within=where), source=f"{base}/{COMMITTED_NAME}").save_id
+        except ShardfmtError as e:
+            problems.append(Problem(code="broken_chain", file=base,
+                                    message=f"base {base!r} of this incremental checkpoint is not a committed "
+                                            f"checkpoint next to it ({e})"))
+            continue
+        if got != save_id:
+            problems.append(Problem(code="broken_chain", file=base,
+                                    message=f"base {base!r} holds save {got}, the chain records save {save_id} "
+                                            "(the base was replaced after this checkpoint referenced it)"))
+    return frozenset(chain.bases)
 
 
 def _read_code(e: ShardfmtError, code: str) -> str:
@@ -117,10 +146,15 @@ def _check_index(storage: Storage, path: str, index: RankIndex, name: str, tally
 
 def _check_file(storage: Storage, path: str, name: str, frec: IndexedFile, rank: int, tally: _Tally,
                 seen: set, problems: list[Problem], *, deep: bool) -> None:
+    full, within = refs.location(storage.join, path, name)
     try:
-        reader = storage.open_reader(storage.join(path, name), within=path)
+        reader = storage.open_reader(full, within=within)
     except SpecialFileError as e:  # a FIFO, a device, a link (spec section 2)
         problems.append(Problem(code="special_file", file=name, message=str(e)))
+        return
+    except CheckpointNotFoundError:
+        code = "file_missing" if refs.split(name)[0] is None else "broken_chain"
+        problems.append(Problem(code=code, file=name, message=refs.missing_file(name)))
         return
     except ShardfmtError as e:
         problems.append(Problem(code="file_missing", file=name, message=str(e)))
@@ -135,7 +169,7 @@ def _check_file(storage: Storage, path: str, name: str, frec: IndexedFile, rank:
         segments = sorted((e.start, e.end) for e in header.entries.values() if e.end > e.start)
         if not _chunks_agree(name, frec, segments, tally.m.chunk_size, problems):
             return
-        _check_entries(name, header, rank, tally, seen, problems)
+        _check_entries(name, header, frec.keys, rank, tally, seen, problems)
         if deep:
             _rehash(reader, name, frec, segments, tally.m.chunk_size, problems)
     except ShardfmtError as e:
@@ -182,16 +216,24 @@ def _chunks_agree(name: str, frec: IndexedFile, segments: list[tuple[int, int]],
     return True
 
 
-def _check_entries(name: str, header: DecodedHeader, rank: int, tally: _Tally, seen: set,
-                   problems: list[Problem]) -> None:
-    """Every entry of the header is a box the root says ``rank`` wrote, checked for dtype,
-    tensor shape and key form; each counted toward its record's completeness."""
+def _check_entries(name: str, header: DecodedHeader, keys: tuple[str, ...] | None, rank: int, tally: _Tally,
+                   seen: set, problems: list[Problem]) -> None:
+    """Every entry of the header (of a base's file: each entry this checkpoint takes, ``keys``)
+    is a box the root says ``rank`` wrote, checked for dtype, tensor shape and key form; each
+    counted toward its record's completeness."""
     try:
         origins = decode_origins(header.metadata, source=name)
     except ShardfmtError as e:
         problems.append(Problem(code="header", file=name, message=str(e)))
         return
-    for key, e in sorted(header.entries.items()):
+    entries = header.entries
+    if keys is not None:
+        absent = [k for k in keys if k not in entries]
+        if absent:
+            problems.append(Problem(code="header", file=name, message=f"the index takes key(s) {absent[:3]} from "
+                                    "this base file, whose header has no such entry"))
+        entries = {k: entries[k] for k in keys if k in entries}
+    for key, e in sorted(entries.items()):
         o = origins.get(key)
         rec = None if o is None else tally.record(o.fqn)
         if rec is None:
