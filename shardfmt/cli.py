@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from shardfmt.demo.run import prepare_dir, run_demo
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from shardfmt.format import refs
 from shardfmt.io.registry import get_storage, parse_storage_options
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.roots import collect_garbage, list_checkpoints, require_root
@@ -108,6 +109,7 @@ def cmd_validate(args) -> int:
 
 
 def inspect_summary(manifest) -> dict:
+    chain = refs.chain_of(manifest)
     by_dtype: Counter = Counter()
     for rec in list(manifest.tensors.values()) + list(manifest.storages.values()):
         if rec.alias_of is None and rec.view is None:
@@ -124,6 +126,8 @@ def inspect_summary(manifest) -> dict:
         "bytes_per_dtype": dict(sorted(by_dtype.items())),
         "files": {name: f.size for name, f in manifest.files.items()},
         "total_bytes": sum(f.size for f in manifest.files.values()),
+        "own_bytes": sum(f.size for name, f in manifest.files.items() if refs.split(name)[0] is None),
+        "chain": None if chain is None else {"bases": dict(sorted(chain.bases.items())), "depth": chain.depth},
     }
 
 
@@ -144,6 +148,9 @@ def cmd_inspect(args) -> int:
     print("bytes per dtype")
     for k, v in info["bytes_per_dtype"].items():
         print(f"  {k:<12} {_human(v):>12}")
+    if info["chain"] is not None:
+        print(f"incremental depth {info['chain']['depth']}, bases {', '.join(info['chain']['bases'])}; "
+              f"{_human(info['own_bytes'])} of its files are its own, the rest its bases'")
     print(f"files       {len(info['files'])}, {_human(info['total_bytes'])} in all")
     for name, size in info["files"].items():
         print(f"  {name:<40} {_human(size):>12}")

@@ -101,6 +101,9 @@ def test_a_base_elsewhere_is_refused_and_an_unusable_base_gives_a_full_save(tmp_
     sd = _state()
     (tmp_path / "a").mkdir()
     shardfmt.save(sd, str(tmp_path / "a" / "step_1"))
+    with pytest.raises(ShardfmtError, match="is the checkpoint being written"):
+        shardfmt.save(sd, str(tmp_path / "a" / "step_1"), base=str(tmp_path / "a" / "step_1"), overwrite=True)
+    assert validate(str(tmp_path / "a" / "step_1")).ok
     with pytest.raises(ShardfmtError, match="next to it"):
         shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "a" / "step_1"))
     assert not (tmp_path / "step_2").exists()
@@ -168,15 +171,27 @@ def test_a_reader_that_does_not_know_the_extension_refuses_it_by_name(tmp_path, 
         shardfmt.load(_zeros(sd), str(tmp_path / "step_2"))
 
 
-def test_convert_and_export_of_an_incremental_checkpoint_are_complete(tmp_path):
+def test_convert_and_export_of_an_incremental_checkpoint_are_complete(tmp_path, capsys):
     from reshard.convert import convert
+    from reshard.hf_export import export_hf
+    from shardfmt.cli import main as shardfmt_main
 
     sd = _state()
     shardfmt.save(sd, str(tmp_path / "step_1"))
     sd["lora"] += 1
     shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
     convert(str(tmp_path / "step_2"), str(tmp_path / "whole"), {"world": 1})
+    export_hf(str(tmp_path / "step_2"), str(tmp_path / "hf"))
+    assert shardfmt_main(["inspect", str(tmp_path / "step_2")]) == 0
+    assert "incremental depth 1, bases step_1" in capsys.readouterr().out
     shutil.rmtree(tmp_path / "step_1")
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in sorted(os.listdir(tmp_path / "hf")):
+        if f.endswith(".safetensors"):
+            hf.update(load_file(str(tmp_path / "hf" / f)))
+    assert all(torch.equal(hf[k], sd[k]) for k in ("frozen", "emb", "lora")), sorted(hf)
     m = shardfmt.read_manifest(str(tmp_path / "whole"))
     assert refs.chain_of(m) is None
     assert validate(str(tmp_path / "whole"), deep=True).ok
@@ -328,3 +343,97 @@ def test_two_ranks_save_incrementally_and_restore_on_two_and_one(tmp_path):
     assert one["frozen"].flatten().tolist()[:4096] == saved[0]["frozen"]
     assert one["head"].flatten().tolist()[:4096] == saved[0]["head"]
     assert validate(str(root / "step_000000003"), deep=True).ok
+
+
+# ----------------------------------------------------------------------------- what review found
+
+
+def test_retention_removes_nothing_when_a_kept_checkpoint_cannot_be_read(tmp_path, monkeypatch):
+    """Fail closed: a storage failure reading a kept checkpoint's chain says nothing about its bases."""
+    from shardfmt.errors import StorageError
+    from shardfmt.training import chains
+
+    sd = _state()
+    root = tmp_path / "root"
+    shardfmt.save(sd, str(root / "step_000000001"))
+    shardfmt.save(sd, str(root / "step_000000002"), base=str(root / "step_000000001"))
+    storage, path = get_storage(str(root))
+
+    def throttled(*a, **k):
+        raise StorageError("503 SlowDown")
+    monkeypatch.setattr(chains, "open_checkpoint", throttled)
+    with pytest.raises(StorageError):
+        prune(storage, path, RetentionPolicy(keep_last=1), busy=lambda p: False)
+    assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002"]
+
+
+def test_retention_keeps_the_base_of_a_checkpoint_being_archived(tmp_path):
+    sd = _state()
+    root = tmp_path / "root"
+    shardfmt.save(sd, str(root / "step_000000001"))
+    shardfmt.save(sd, str(root / "step_000000002"), base=str(root / "step_000000001"))
+    shardfmt.save(sd, str(root / "step_000000003"))
+    storage, path = get_storage(str(root))
+    prune(storage, path, RetentionPolicy(keep_last=1), busy=lambda p: p.endswith("step_000000002"))
+    assert sorted(os.listdir(root)) == ["step_000000001", "step_000000002", "step_000000003"]
+    assert validate(str(root / "step_000000002")).ok
+
+
+def test_a_base_replaced_while_the_save_runs_fails_the_commit_and_unverified_loads(tmp_path, monkeypatch):
+    from shardfmt.saving import protocol
+
+    sd = _state()
+    shardfmt.save(sd, str(tmp_path / "step_1"))
+    read = protocol.try_read_base
+
+    def then_replace(*a, **k):
+        got = read(*a, **k)
+        shardfmt.save(_state(seed=3), str(tmp_path / "step_1"), overwrite=True)  # same names, other bytes
+        return got
+    monkeypatch.setattr(protocol, "try_read_base", then_replace)
+    with pytest.raises(ShardfmtError, match="replaced"):
+        shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    assert not (tmp_path / "step_2").exists()
+    monkeypatch.setattr(protocol, "try_read_base", read)
+    shardfmt.save(sd, str(tmp_path / "step_1"), overwrite=True)
+    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    assert refs.chain_of(shardfmt.read_manifest(str(tmp_path / "step_2"))) is not None
+    shardfmt.save(sd, str(tmp_path / "step_1"), overwrite=True)  # equal bytes, another save
+    with pytest.raises(IntegrityError, match="replaced"):
+        shardfmt.load(_zeros(sd), str(tmp_path / "step_2"), verify=False)
+    _assert_loads(tmp_path / "step_2", sd)  # verified: the bytes are checked, and they are equal
+
+
+def test_a_chain_that_names_the_checkpoint_itself_is_refused(tmp_path):
+    sd = _state()
+    shardfmt.save(sd, str(tmp_path / "step_1"))
+    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    shutil.rmtree(tmp_path / "step_1")
+    os.rename(tmp_path / "step_2", tmp_path / "step_1")
+    with pytest.raises(ManifestError, match="itself"):
+        shardfmt.load(_zeros(sd), str(tmp_path / "step_1"))
+    assert "broken_chain" in {p.code for p in validate(str(tmp_path / "step_1")).problems}
+
+
+def test_a_chain_past_the_formats_limits_is_refused_at_the_commit(tmp_path):
+    from shardfmt.errors import CommitError
+    from shardfmt.saving.writer import CheckpointWriter
+
+    w = CheckpointWriter(str(tmp_path / "step_1"))
+    with pytest.raises(CommitError, match="save in full"):
+        w.add_chain(refs.Chain(bases={f"step_{i}": "x" for i in range(refs.MAX_BASES + 1)}, depth=1))
+    with pytest.raises(ValueError, match="full_every"):
+        shardfmt.Checkpointer(str(tmp_path / "root"), incremental=True, full_every=5000)
+
+
+def test_ls_shows_what_an_incremental_checkpoint_holds_itself(tmp_path, capsys):
+    from shardfmt.cli import main as shardfmt_main
+
+    model = Model()
+    root = tmp_path / "root"
+    with shardfmt.Checkpointer(str(root), incremental=True) as ck:
+        _train(ck, [1, 2], model)
+    assert shardfmt_main(["ls", "--json", str(root)]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    sizes = {n: r.get("bytes", r.get("size")) for n, r in rows.items()}
+    assert sizes["step_000000002"] < 0.05 * sizes["step_000000001"], rows

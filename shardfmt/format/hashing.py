@@ -62,6 +62,35 @@ def combine(chunk_digests: Iterable[str]) -> str:
     return format_digest(h.digest())
 
 
+def shard_digest(pieces: Iterable, chunk_size: int) -> str:
+    """The shard digest (spec section 6) of a shard's bytes, fed in pieces of any size: the
+    digest of its ``chunk_size`` chunks' raw digests, concatenated. Raw digests throughout: no
+    digest string is made per chunk."""
+    out = xxhash.xxh3_128()
+    h = xxhash.xxh3_128()
+    whole = xxhash.xxh3_128_digest
+    filled = 0
+    for piece in pieces:
+        mv = memoryview(piece).cast("B")
+        pos, n = 0, len(mv)
+        if filled == 0 and n >= chunk_size:  # whole chunks of the piece, one call each
+            end = n - n % chunk_size
+            out.update(b"".join([whole(mv[o:o + chunk_size]) for o in range(0, end, chunk_size)]))
+            pos = end
+        while pos < n:
+            take = min(chunk_size - filled, n - pos)
+            h.update(mv[pos:pos + take])
+            pos += take
+            filled += take
+            if filled == chunk_size:
+                out.update(h.digest())
+                h.reset()
+                filled = 0
+    if filled:
+        out.update(h.digest())
+    return format_digest(out.digest())
+
+
 def v2_file_digest(header_digest: str, chunk_digests: Iterable[str]) -> str:
     """Return a v2 file digest: xxh3-128 of the raw header digest, then every raw chunk digest
     in file order (the header has no chunk in v2, so its digest is chained in first)."""

@@ -23,6 +23,7 @@ from shardfmt.format.manifest import DATA_DIR, Extension, Manifest
 EXTENSION = "incremental"
 BASE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
 MAX_BASES = 4096
+MAX_DEPTH = 1 << 20
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +53,7 @@ def parse_chain(value: Any, where: str = f"extensions[{EXTENSION!r}].value") -> 
     if not isinstance(value, dict) or set(value) != {"bases", "depth"}:
         raise ManifestError(f"{where}: expected an object with exactly 'bases' and 'depth'")
     bases, depth = value["bases"], value["depth"]
-    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= 1 << 20:
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_DEPTH:
         raise ManifestError(f"{where}.depth: expected an integer in [1, 2^20], got {depth!r}")
     if not isinstance(bases, dict) or not 1 <= len(bases) <= MAX_BASES:
         raise ManifestError(f"{where}.bases: expected an object of 1 to {MAX_BASES} bases")
@@ -97,6 +98,13 @@ def sibling(path: str, base: str) -> str:
     return f"{head}{sep}{base}" if sep else base
 
 
+def check_chain_of(path: str, manifest: Manifest) -> None:
+    """A chain never lists the checkpoint itself (section 4.10): ``path``'s own name is no base."""
+    own = path.rstrip("/").rpartition("/")[2]
+    if own in bases_of(manifest):
+        raise ManifestError(f"{path}: its incremental chain lists the checkpoint itself ({own!r}) as a base")
+
+
 def location(join: Callable[..., str], path: str, name: str) -> tuple[str, str]:
     """``(full path, checkpoint it lies in)`` of the file ``name`` of the checkpoint at ``path``:
     what a reader opens, and the ``within`` below which no link is followed (spec section 2)."""
@@ -116,5 +124,5 @@ def missing_file(name: str) -> str:
             "holds the file (the base was removed, moved or quarantined: a broken chain)")
 
 
-__all__ = ["BASE_RE", "EXTENSION", "Chain", "bases_of", "chain_of", "check_base", "location", "missing_file", "parse_chain",
+__all__ = ["BASE_RE", "EXTENSION", "Chain", "bases_of", "chain_of", "check_base", "check_chain_of", "location", "missing_file", "parse_chain",
            "ref_name", "sibling", "split"]

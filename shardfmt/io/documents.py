@@ -19,7 +19,8 @@ from typing import TypeVar
 from shardfmt.errors import CheckpointNotFoundError, HeaderError, IntegrityError, ManifestError
 from shardfmt.format import hashing, refs
 from shardfmt.format.index import IndexedFile, RankEntry, RankIndex
-from shardfmt.format.manifest import FileRecord, Manifest
+from shardfmt.format.manifest import COMMITTED_NAME, MAX_COMMITTED_BYTES, FileRecord, Manifest
+from shardfmt.format.parse import parse_commit
 from shardfmt.format.parse_v2 import parse_rank_index, parse_rank_part
 from shardfmt.format.safetensors import (
     PREFIX_BYTES,
@@ -192,3 +193,20 @@ def read_header(storage: Storage, path: str, name: str, rec: IndexedFile | FileR
     return decode_header(bytes(buf), source=name, file_size=rec.size)
 
 
+def check_bases(storage: Storage, path: str, chain: refs.Chain | None, used: Iterable[str] | None = None) -> None:
+    """Each base in ``chain`` of the incremental checkpoint at ``path`` (those of ``used`` file
+    names, or all) is a committed checkpoint holding the save the chain records (spec section
+    4.10): what a load that does not verify the bytes, and a commit, rely on."""
+    if chain is None:
+        return
+    names = chain.bases if used is None else {b for b in (refs.split(n)[0] for n in used) if b is not None}
+    for base in sorted(names):
+        where = refs.sibling(path, base)
+        try:
+            raw = storage.read_bytes(storage.join(where, COMMITTED_NAME), limit=MAX_COMMITTED_BYTES, within=where)
+        except CheckpointNotFoundError:
+            raise IntegrityError(f"{path}: its base {base!r} is not committed there any more (a broken chain)") from None
+        got = parse_commit(raw, source=f"{base}/{COMMITTED_NAME}").save_id
+        if got != chain.bases.get(base):
+            raise IntegrityError(f"{path}: its base {base!r} holds save {got}, the chain records "
+                                 f"{chain.bases.get(base)} (the base was replaced: a broken chain)")

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardfmt.errors import ManifestError, PlanError, ShapeError
+from shardfmt.format import refs
 from shardfmt.format.hashing import ChunkGrid
 from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord
 from shardfmt.layout.geometry import (
@@ -199,8 +200,11 @@ def plan_load(
     grids = {f: manifest.files[f].grid(manifest.chunk_size) for f in names}
     for fname in names:
         try:
+            # A base's file (an incremental checkpoint's, spec section 4.10) holds shards this
+            # checkpoint replaced: a read never spans one (its shards are packed, so no gap is lost).
+            gap = 0 if refs.split(fname)[0] is not None else max_gap
             reads.extend(_file_reads(fname, per_file.get((fname, False), []), per_file.get((fname, True), []),
-                                     grids[fname], verify=verify, max_gap=max_gap, max_read=max_read,
+                                     grids[fname], verify=verify, max_gap=gap, max_read=max_read,
                                      max_bounce_read=max_bounce_read))
         except ManifestError as e:  # the shard records and the file's chunk grid disagree
             raise ManifestError(f"{fname}: {e}") from None

@@ -129,6 +129,7 @@ def open_checkpoint(path: str, *, storage_options: dict | None = None,
     if manifest.format_version != commit.format_version:
         raise IntegrityError(f"{path}: manifest format version {manifest.format_version} != {COMMITTED_NAME}'s "
                              f"{commit.format_version}")
+    refs.check_chain_of(path, manifest)
     if whole:
         manifest = expand(storage, path, manifest)
     return Checkpoint(storage=storage, path=path, manifest=manifest, commit=commit)

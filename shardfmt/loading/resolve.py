@@ -24,10 +24,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardfmt.errors import HeaderError, ManifestError
-from shardfmt.format import hashing
+from shardfmt.format import hashing, refs
 from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, ValueRecord
 from shardfmt.io.documents import (
     DataFile,
+    check_bases,
     read_headers,
     read_indexes,
 )
@@ -64,6 +65,8 @@ def resolve(storage: Storage, path: str, manifest: Manifest, slices: Sequence[Ta
             shard, frec = _locate(found, manifest, fqn, rec, box, rank)
             shards.setdefault(fqn, []).append(shard)
             files[shard.file] = frec
+    if not verify:  # no digest will catch a base replaced since: its COMMITTED must still be the chain's
+        check_bases(storage, path, refs.chain_of(manifest), files)
     return dataclasses.replace(
         manifest, files=dict(sorted(files.items())),
         tensors={f: _with(r, shards.get(f)) for f, r in manifest.tensors.items()},

@@ -28,9 +28,11 @@ an incremental save never depends on what it could not verify.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import IntegrityError, ManifestError, ShardfmtError, StateDictError
 from shardfmt.format import hashing, refs
 from shardfmt.format.dtypes import dtype_code
@@ -43,7 +45,7 @@ from shardfmt.format.manifest import (
     Manifest,
 )
 from shardfmt.format.parse import parse_commit, parse_manifest
-from shardfmt.format.tensor_bytes import byte_pieces
+from shardfmt.format.tensor_bytes import byte_pieces, byte_view, is_direct
 from shardfmt.io.documents import read_headers, read_indexes
 from shardfmt.io.store import Storage
 from shardfmt.saving.plan import WriteItem
@@ -77,15 +79,17 @@ class Base:
     shards: Mapping[Place, BaseShard] = field(default_factory=dict)
     owners: Mapping[str, str] = field(default_factory=dict)  # a base name -> its save id (the base and its bases)
 
-    def take(self, items: Sequence[WriteItem], chunk_size: int) -> tuple[list[WriteItem], dict[str, IndexedFile]]:
+    def take(self, items: Sequence[WriteItem], chunk_size: int,
+             digest_of: Callable[[int], str]) -> tuple[list[WriteItem], dict[str, IndexedFile]]:
         """The items still to write, and the base files (with the keys taken) that hold the others.
-        Nothing is taken under another chunk size: the digests would not compare."""
+        ``digest_of(i)`` is item ``i``'s shard digest under ``chunk_size`` (``digests``), asked
+        only of candidates. Nothing is taken under another chunk size: digests would not compare."""
         if chunk_size != self.chunk_size or not self.shards:
             return list(items), {}
         write, taken = [], {}
-        for it in items:
+        for i, it in enumerate(items):
             got = self.shards.get((it.fqn, it.box.offsets))
-            if got is not None and _same(got, it) and _digest(it, chunk_size) == got.digest:
+            if got is not None and _same(got, it) and digest_of(i) == got.digest:
                 taken.setdefault(got.file, []).append(got.key)
             else:
                 write.append(it)
@@ -99,6 +103,25 @@ class Base:
         return refs.Chain(bases=bases, depth=1 if self.chain is None else self.chain.depth + 1)
 
 
+class Digests:
+    """The items' shard digests, computed by ``workers`` threads from the start (``start``), so the
+    hashing overlaps the base being read; ``of(i)`` waits for item ``i``'s. Leaving the context
+    drops what is not yet hashed."""
+
+    def __init__(self, items: Sequence[WriteItem], chunk_size: int, *, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="shardfmt-digest")
+        self._futures = [self._pool.submit(_digest, it, chunk_size) for it in items]
+
+    def of(self, i: int) -> str:
+        return self._futures[i].result()
+
+    def __enter__(self) -> Digests:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _same(got: BaseShard, it: WriteItem) -> bool:
     return (got.dtype, got.lengths, got.global_shape) == (dtype_code(it.data.dtype, what=it.fqn), it.box.lengths,
                                                            tuple(it.global_shape))
@@ -108,10 +131,8 @@ def _digest(it: WriteItem, chunk_size: int) -> str:
     """The shard digest (spec section 6) of the item's bytes, as a file of this save would record it."""
     if it.ready is not None:
         it.ready()
-    hasher = hashing.ChunkHasher(chunk_size)
-    for piece in byte_pieces(it.data):
-        hasher.update(piece)
-    return hashing.combine(hasher.finish())
+    data = it.data
+    return hashing.shard_digest([byte_view(data)] if is_direct(data) else byte_pieces(data), chunk_size)
 
 
 def _with_keys(rec: IndexedFile, keys: list[str]) -> IndexedFile:
@@ -135,6 +156,9 @@ def read_root(storage: Storage, path: str) -> Manifest:
 def base_name(path: str, base: str) -> str:
     """The name of ``base`` as a sibling of ``path``; a base elsewhere is refused (section 4.10)."""
     name = base.rstrip("/").rpartition("/")[2]
+    if base.rstrip("/") == path.rstrip("/"):
+        raise StateDictError(f"base={base}: is the checkpoint being written; an incremental save's base is an "
+                             "earlier checkpoint next to it")
     if refs.sibling(path, name) != base.rstrip("/"):
         raise StateDictError(f"base={base}: an incremental save's base must be a checkpoint next to it "
                              f"(in the directory of {path})")
@@ -147,6 +171,8 @@ def base_name(path: str, base: str) -> str:
 def read_base(storage: Storage, path: str, base: str, rank: int, root: Manifest | None = None) -> Base:
     """Step 2: rank ``rank``'s part of ``base`` (a sibling of ``path``), read and checked."""
     name = base_name(path, base)
+    if commit_strategy(storage).marked_quarantined(base):  # object stores set a bad checkpoint aside in place
+        raise IntegrityError(f"{base}: quarantined (found unusable by a restore)")
     m = root if root is not None else read_root(storage, base)
     if m.format_version < 2:
         raise ShardfmtError(f"{base}: format version {m.format_version}; an incremental save needs a version-2 base")
@@ -163,19 +189,19 @@ def read_base(storage: Storage, path: str, base: str, rank: int, root: Manifest 
             span = f.grid.span(e.start, e.end)
             shards[(o.fqn, tuple(o.offsets))] = BaseShard(
                 file=seen, key=key, dtype=e.dtype, lengths=tuple(e.shape), global_shape=tuple(o.global_shape),
-                digest=hashing.combine(f.digests()[span.start:span.stop]))
+                digest=hashing.digest_bytes(f.record.chunks[16 * span.start:16 * span.stop]))  # = combine()
     return Base(name=name, save_id=m.save_id, chunk_size=m.chunk_size, chain=chain, files=files, shards=shards,
                 owners=owners)
 
 
-def try_read_base(storage: Storage, path: str, base: str, rank: int) -> Base | None:
+def try_read_base(storage: Storage, path: str, base: str, rank: int, root: Manifest | None = None) -> Base | None:
     """``read_base``, or None with a warning when the base cannot be used (the save is then full)."""
     try:
-        return read_base(storage, path, base, rank)
+        return read_base(storage, path, base, rank, root)
     except (ShardfmtError, OSError) as e:
         log.warning("shardfmt: rank %d writes a full checkpoint to %s: its base %s cannot be used (%s)",
                     rank, path, base, e)
         return None
 
 
-__all__ = ["Base", "BaseShard", "base_name", "read_base", "read_root", "try_read_base"]
+__all__ = ["Base", "BaseShard", "Digests", "base_name", "read_base", "read_root", "try_read_base"]

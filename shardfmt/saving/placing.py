@@ -227,12 +227,15 @@ def _assign(holders: Mapping[WriteKey, list[int]], records: Mapping[str, HeldTen
 
 def _median_box(placed: Mapping[str, Placed], listed: Mapping[WriteKey, int], records: Mapping[str, HeldTensor],
                 topology: Topology) -> int:
-    """The median bytes of a stored box, each placed tensor counted as as many boxes of its
-    mean size as it has distinct holders (O(tensors), not O(boxes))."""
+    """The bytes of the stored box that holds the median byte (half the state's bytes lie in
+    boxes at most this large), each placed tensor counted as as many boxes of its mean size as
+    it has distinct holders (O(tensors), not O(boxes)). By bytes, not by boxes: many small
+    boxes (LoRA pairs, norms, biases) are read whole anyway (chunks never cross a shard), and
+    would otherwise make the large ones, which hold the bytes, hash in small chunks."""
     weighted: list[tuple[int, int]] = [(math.prod(k[2]) * itemsize(records[k[0]].dtype), 1) for k in listed]
     for fqn, p in placed.items():
         weighted.append(_typical_box(records[fqn], p.placement, topology))
-    return weighted_median(weighted)
+    return weighted_median((v, v * n) for v, n in weighted)
 
 
 def _typical_box(t: HeldTensor, p: Placement, topology: Topology) -> tuple[int, int]:

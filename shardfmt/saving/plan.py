@@ -91,14 +91,20 @@ CHUNKS_PER_SHARD = 8  # a verified read of part of a shard reads at most 2 chunk
 
 def auto_chunk_size(box_bytes: Iterable[int], *, format_version: int) -> int:
     """The hash chunk of a save that was given none: v1's 1 MiB; v2 (chunks aligned to each
-    shard) about 1/8 of the median stored box, a power of two in [16 KiB, 1 MiB], so a
-    verified read of part of a shard stays near the bytes it needs at fine sharding (a job of
-    thousands of ranks) and large shards keep 1 MiB chunks (few digests). ``box_bytes``: the
-    bytes of every stored box (every rank of a save has the same plan, so all pick alike)."""
+    shard) about 1/8 of the stored box that holds the median byte, a power of two in [16 KiB,
+    1 MiB], so a verified read of part of a shard stays near the bytes it needs at fine
+    sharding (a job of thousands of ranks) and large shards keep 1 MiB chunks (few digests);
+    small boxes are read whole whatever the chunk (chunks never cross a shard). ``box_bytes``:
+    the bytes of every stored box (every rank of a save has the same plan, so all pick alike)."""
     if format_version < 2:
         return hashing.DEFAULT_CHUNK_SIZE
     sizes = sorted(n for n in box_bytes if n)
-    return chunk_for_median(sizes[len(sizes) // 2] if sizes else 0)
+    total, seen = sum(sizes), 0
+    for n in sizes:
+        seen += n
+        if seen > total // 2:
+            return chunk_for_median(n)
+    return chunk_for_median(0)
 
 
 def chunk_for_median(median: int) -> int:

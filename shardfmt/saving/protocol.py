@@ -58,7 +58,7 @@ from shardfmt.saving.agreement import (
     check_agreement,
     value_bucket,
 )
-from shardfmt.saving.base import base_name, read_root, try_read_base
+from shardfmt.saving.base import Digests, base_name, read_root, try_read_base
 from shardfmt.saving.claims import Group, claims_digest, first_of_groups, split_claims
 from shardfmt.saving.coordinator import Coordinator
 from shardfmt.saving.describe import Prepared
@@ -194,6 +194,7 @@ class _Run:
     agreement: Agreement | None = None
     groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # v2: first rank -> its group
     base: str | None = None  # an incremental save's base (``saving.base``), as the storage resolves it
+    base_root: Manifest | None = None  # rank 0: the base's root manifest, read once
 
     def agree(self, step: int | None) -> RankState | RankError:
         """2) Agree on the step, the destination and the replicated values; return this rank's message."""
@@ -254,7 +255,8 @@ class _Run:
         if self.base is None or self.options.chunk_size is not None or plan.failures:
             return plan
         try:
-            return dataclasses.replace(plan, chunk_size=read_root(self.storage, self.base).chunk_size)
+            self.base_root = read_root(self.storage, self.base)
+            return dataclasses.replace(plan, chunk_size=self.base_root.chunk_size)
         except (ShardfmtError, OSError):
             return plan  # every rank then finds the base unusable or its chunks unlike: a full save
 
@@ -306,10 +308,12 @@ class _Run:
         """An incremental save: the items still to write, the base's files holding the others, the chain."""
         if self.base is None or not items:
             return items, {}, None
-        base = try_read_base(self.storage, self.path, self.base, self.coord.rank)
-        if base is None:
-            return items, {}, None
-        items, taken = base.take(items, self.options.chunk_size)
+        chunk = self.options.chunk_size
+        with Digests(items, chunk, workers=self.options.write_workers or default_write_workers()) as digests:
+            base = try_read_base(self.storage, self.path, self.base, self.coord.rank, root=self.base_root)
+            if base is None:
+                return items, {}, None
+            items, taken = base.take(items, chunk, digests.of)
         return items, taken, base.chain_for(list(taken))
 
     def _written(self, file: WrittenFile | None, state: RankState, taken: Mapping[str, IndexedFile],

@@ -21,7 +21,13 @@ import torch
 
 from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
-from shardfmt.errors import CheckpointNotFoundError, CommitError, ShapeError, StateDictError
+from shardfmt.errors import (
+    CheckpointNotFoundError,
+    CommitError,
+    IntegrityError,
+    ShapeError,
+    StateDictError,
+)
 from shardfmt.format import hashing, jsonvalue, refs
 from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.index import RankEntry, rank_table
@@ -42,6 +48,7 @@ from shardfmt.format.manifest import (
     rank_file_name,
 )
 from shardfmt.format.parse import check_step
+from shardfmt.io.documents import check_bases
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.layout.geometry import Box
@@ -315,12 +322,14 @@ class CheckpointWriter:
         self._external_files.update(files)
 
     def add_chain(self, chain: refs.Chain) -> None:
-        """v2: record bases a rank's index references (an incremental save): the union is kept."""
-        if self._chain is None:
-            self._chain = chain
-        else:
-            self._chain = refs.Chain(bases={**self._chain.bases, **chain.bases},
-                                     depth=max(self._chain.depth, chain.depth))
+        """v2: record bases a rank's index references (an incremental save): the union is kept.
+        A chain past the format's limits (section 4.10) is refused: no reader could open it."""
+        if self._chain is not None:
+            chain = refs.Chain(bases={**self._chain.bases, **chain.bases}, depth=max(self._chain.depth, chain.depth))
+        if len(chain.bases) > refs.MAX_BASES or chain.depth > refs.MAX_DEPTH:
+            raise CommitError(f"{self.path}: an incremental chain of {len(chain.bases)} bases and depth {chain.depth} "
+                              f"exceeds the format's {refs.MAX_BASES} bases / depth {refs.MAX_DEPTH}: save in full")
+        self._chain = chain
 
     # -- 3) other records
     def add_alias(self, fqn: str, target: str) -> None:
@@ -490,8 +499,14 @@ class CheckpointWriter:
                        *(p.name for p in manifest.ranks)})
 
     def _check_bases(self) -> None:
-        """An incremental save: every base file a rank's index references must still be there."""
-        for name in sorted(n for n in self._external_files if refs.split(n)[0] is not None):
+        """An incremental save: every base must still hold the save its chain records, and every
+        base file a rank's index references must still be there (spec/ROOTS.md section 1)."""
+        used = sorted(n for n in self._external_files if refs.split(n)[0] is not None)
+        try:
+            check_bases(self.storage, self.path, self._chain, used)
+        except IntegrityError as e:
+            raise CommitError(f"{e}; nothing was committed") from None
+        for name in used:
             full, within = refs.location(self.storage.join, self.path, name)
             try:
                 self.storage.size(full, within=within)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import orjson
 
 from shardfmt.commit.protocol import commit_strategy
-from shardfmt.errors import ShardfmtError
+from shardfmt.errors import ShardfmtError, StorageError
 from shardfmt.format import refs
 from shardfmt.format.manifest import BASES_NAME
 from shardfmt.io.store import Storage
@@ -23,16 +23,21 @@ from shardfmt.training.retention import lease_expired
 
 
 def bases_of_checkpoint(storage: Storage, path: str) -> frozenset[str]:
-    """The bases the committed checkpoint at ``path`` lists (none when it cannot be read)."""
+    """The bases the committed checkpoint at ``path`` lists: none when it is gone or is no
+    readable checkpoint (nothing could load it). A storage failure (a timeout, throttling, a
+    refused permission) says nothing about it and is raised: the caller removes nothing."""
     try:
         return refs.bases_of(open_checkpoint(path, storage=storage, whole=False).manifest)
+    except StorageError:
+        raise
     except (ShardfmtError, OSError):
         return frozenset()
 
 
 def live_bases(storage: Storage, root: str, *, lease_seconds: float | None = None,
                now: float | None = None) -> frozenset[str]:
-    """The bases named by the saves under ``root`` whose lease is fresh."""
+    """The bases named by the saves under ``root`` whose lease is fresh (a storage failure is
+    raised: the caller removes nothing)."""
     lease = storage.lease_seconds if lease_seconds is None else lease_seconds
     now = time.time() if now is None else now
     strategy = commit_strategy(storage)
@@ -47,6 +52,8 @@ def live_bases(storage: Storage, root: str, *, lease_seconds: float | None = Non
                 continue
             raw = storage.read_bytes(storage.join(path, BASES_NAME), limit=1 << 16, within=path)
             out.update(refs.check_base(b, f"{name}/{BASES_NAME}") for b in orjson.loads(raw)["bases"])
+        except StorageError:
+            raise  # it says nothing about the save: the caller removes nothing
         except (ShardfmtError, OSError, ValueError, KeyError, TypeError):
             continue  # no BASES (a full save), or not a save's: nothing to protect
     return frozenset(out)

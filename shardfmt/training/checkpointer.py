@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardfmt.api import save
-from shardfmt.commit.names import step_dir_name
+from shardfmt.commit.names import parse_step_dir, step_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import StateDictError
 from shardfmt.io.registry import get_storage
@@ -228,6 +228,7 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any], *, allow_mismatch: bool = False) -> int | None:
         """Restore the newest valid checkpoint into ``state``; return its step (None: none)."""
         self.wait()
+        self._chain.reset()  # a restore starts a run: its first save is full
         materialize(state)
         ranks = self._ranks
         choice = ranks.broadcast(choose(self._check_root, self._tier, self._archive_tier) if ranks.rank() == 0
@@ -252,18 +253,26 @@ def _never(path: str) -> bool:
     return False
 
 
+def _step_of(path: str) -> int:
+    return parse_step_dir(path.rstrip("/").rpartition("/")[2]) or 0
+
+
 class _Chain:
     """Which checkpoint an incremental save takes unchanged shards from: this Checkpointer's
     previous save (the same on every rank: every rank makes the same calls), unless it was
-    full ``full_every - 1`` saves ago. The first save of a run is full; so is the one after a
-    failed save. A base that turns out unusable makes a full save (``saving.base``)."""
+    full ``full_every - 1`` saves ago. The first save of a run (and after a restore) is full; so
+    is the one after a failed save, and one whose step is not above the previous save's (a
+    base is always an older step: retention relies on it). A base that turns out unusable
+    makes a full save (``saving.base``)."""
 
     def __init__(self) -> None:
         self._last: str | None = None  # the previous save's path
         self._since_full = 0  # incremental saves since the last full one
 
     def base(self, path: str, opts: CheckpointerOptions) -> str | None:
-        if not opts.incremental or self._last is None or self._last == path or self._since_full + 1 >= opts.full_every:
+        if not opts.incremental or self._last is None or self._since_full + 1 >= opts.full_every:
+            return None
+        if _step_of(self._last) >= _step_of(path):  # bases are older: retention relies on it
             return None
         return self._last
 

@@ -84,6 +84,8 @@ class CheckpointerOptions:
         if not isinstance(self.incremental, bool):
             raise ValueError(f"Checkpointer: incremental must be True or False, got {self.incremental!r}")
         _check_count("full_every", self.full_every)
+        if self.full_every > 4096:  # a chain names at most 4096 bases (spec/FORMAT.md section 4.10)
+            raise ValueError(f"Checkpointer: full_every must be at most 4096, got {self.full_every}")
 
     def with_keywords(self, **keywords: Any) -> CheckpointerOptions:
         """Return these options with the Checkpointer's flat ``keywords`` (``KEYWORDS``) set."""

@@ -46,8 +46,9 @@ def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callabl
             break
         for s in drop:
             del committed[s]
-    if doomed:  # incremental checkpoints: never a base that a kept checkpoint or a live save needs
-        kept = [p for s, p in committed.items() if s not in doomed and s > min(doomed)]
+    if doomed:  # incremental checkpoints: never a base that a kept, busy or live save needs
+        # (bases are older steps: kept checkpoints older than every doomed one need none of them)
+        kept = [p for s, p in committed.items() if (s not in doomed or busy(p)) and s > min(doomed)]
         need = needed(storage, root, kept, live_bases(storage, root, lease_seconds=lease_seconds))
         doomed = [s for s in doomed if _name(committed[s]) not in need]
     for step in doomed:

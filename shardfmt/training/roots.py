@@ -77,7 +77,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
             return "corrupt", m.step, None, str(e)
         if size != want:
             return "corrupt", m.step, None, f"{fname} is {size} bytes, manifest says {want}"
-    return "committed", m.step, sum(sizes.values()), ""
+    own = sum(n for f, n in sizes.items() if refs.split(f)[0] is None)  # an incremental one's: not its bases'
+    return "committed", m.step, own, ""
 
 
 def unsupported_reason(e: FormatVersionError) -> str:

@@ -104,6 +104,10 @@ def _check_chain(storage: Storage, path: str, m: Manifest, problems: list[Proble
         return frozenset()
     if chain is None:
         return frozenset()
+    try:
+        refs.check_chain_of(path, m)
+    except ShardfmtError as e:
+        problems.append(Problem(code="broken_chain", message=str(e)))
     for base, save_id in sorted(chain.bases.items()):
         where = refs.sibling(path, base)
         try:
