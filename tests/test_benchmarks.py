@@ -206,3 +206,17 @@ def test_one_scenario_end_to_end_writes_medians_spreads_and_verdicts(tmp_path, c
     assert all(t["lo"] <= t["value"] <= t["hi"] for t in rep["targets"])
     assert "targets (verdict only when" in text and rep["meta"]["rounds"] == 3
     assert [n for n in os.listdir(tmp_path) if n.startswith("shardfmt-bench-")] == []  # the scratch is removed
+
+
+@pytest.mark.slow
+def test_the_incremental_benchmark_runs_and_its_checkpoints_load_bit_exact(tmp_path):
+    """``benchmarks/incremental.py`` at 16 MiB, 2 rounds: every load it times is checked against
+    the state (bit-exact), and the bytes targets hold at any size (the time target is a figure)."""
+    from benchmarks import incremental
+
+    out = tmp_path / "inc.json"
+    incremental.main(["--size-mib", "16", "--rounds", "2", "--warmup", "0", "--dir", str(tmp_path),
+                      "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["paired"]["incremental/full bytes"]["max"] <= 0.10
+    assert report["targets"]["restore reads no more than a full checkpoint's (beyond block padding of its extra reads)"]
