@@ -343,6 +343,11 @@ def test_two_ranks_save_incrementally_and_restore_on_two_and_one(tmp_path):
     assert one["frozen"].flatten().tolist()[:4096] == saved[0]["frozen"]
     assert one["head"].flatten().tolist()[:4096] == saved[0]["head"]
     assert validate(str(root / "step_000000003"), deep=True).ok
+    rolled = check_all_ok(launch("incremental_rollback", 2, {"root": str(root)}, out_dir=str(tmp_path / "o3"),
+                                 module="tests.distributed.incremental_jobs", timeout=180))
+    assert all(r["step"] == 1 and r["same"] for r in rolled), rolled
+    assert len(rolled[0]["warned"]) == 1 and not rolled[1]["warned"]  # rank 0 set step 3 aside
+    assert [n.split("-")[0] for n in sorted(os.listdir(root))] == ["step_000000001", "step_000000003.rolledback"]
 
 
 # ----------------------------------------------------------------------------- what review found

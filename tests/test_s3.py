@@ -718,3 +718,32 @@ def test_incremental_checkpoints_on_s3_upload_only_what_changed_and_keep_their_b
     fresh = torch.nn.Linear(1024, 1024)
     assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 2
     assert bytes_equal(fresh.weight, model.weight) and bytes_equal(fresh.bias, model.bias)
+
+
+def test_a_rollback_on_s3_marks_the_later_checkpoints_and_a_new_save_replaces_one(server, bucket):
+    """spec/ROOTS.md section 1 on an object store: nothing can be renamed, so ``restore(step=N)``
+    writes a ROLLED_BACK object into every later checkpoint; listers pass them over, and saving
+    one of their steps again replaces it (with a warning)."""
+    root = f"{bucket}/rb"
+    model = torch.nn.Linear(16, 16)
+    with shardfmt.Checkpointer(root, keep_last=10) as ck:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            ck.save(step, {"model": model})
+    fresh = torch.nn.Linear(16, 16)
+    ck = shardfmt.Checkpointer(root)
+    with pytest.warns(UserWarning, match="rolled back to step 1"):
+        assert ck.restore({"model": fresh}, step=1) == 1
+    assert torch.equal(fresh.weight, torch.full((16, 16), 1.0))
+    fs = _fs(server)
+    assert fs.exists(f"{root[5:]}/step_000000002/ROLLED_BACK") and fs.exists(f"{root[5:]}/step_000000003/ROLLED_BACK")
+    assert ck.latest().endswith("step_000000001")
+    assert [(i.step, i.status) for i in ck.list()] == [(1, "committed"), (2, "rolled_back"), (3, "rolled_back")]
+    with torch.no_grad():
+        fresh.weight.fill_(20.0)
+    with pytest.warns(UserWarning, match="replacing the rolled-back checkpoint of step 2"):
+        ck.save(2, {"model": fresh})
+    again = torch.nn.Linear(16, 16)
+    assert shardfmt.Checkpointer(root).restore({"model": again}) == 2
+    assert torch.equal(again.weight, torch.full((16, 16), 20.0))

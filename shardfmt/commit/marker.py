@@ -54,6 +54,7 @@ from shardfmt.format.manifest import (
     MAX_COMMITTED_BYTES,
     MAX_MANIFEST_BYTES,
     QUARANTINED_NAME,
+    ROLLED_BACK_NAME,
     CommitRecord,
     Manifest,
 )
@@ -248,6 +249,13 @@ class MarkerCommit:
     def quarantine(self, path: str, dest: str, reason: str) -> None:
         """Set ``path`` aside in place (no rename): a ``QUARANTINED`` object saying why."""
         self.store.write_bytes(self.store.join(path, QUARANTINED_NAME), reason.encode())
+
+    def marked_rolled_back(self, path: str) -> bool:
+        return self.store.exists(self.store.join(path, ROLLED_BACK_NAME))
+
+    def roll_back(self, path: str, dest: str, reason: str) -> None:
+        """Set ``path`` aside after a rollback, in place (no rename): a ``ROLLED_BACK`` object saying why."""
+        self.store.write_bytes(self.store.join(path, ROLLED_BACK_NAME), reason.encode())
 
     def may_be_leftover(self, name: str) -> bool:
         return ".tmp-" in name or parse_step_dir(name) is not None

@@ -1,7 +1,8 @@
 """The names a root gives its checkpoints (spec/ROOTS.md): step directories and set-aside ones.
 
 Pure. A committed checkpoint of a root is ``step_NNNNNNNNN`` (at least 9 digits); one a
-restore set aside as unusable is renamed ``<name>.corrupt-<id>``.
+restore set aside as unusable is renamed ``<name>.corrupt-<id>``; one newer than the step a
+rollback went back to, ``<name>.rolledback-<id>``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ def parse_step_dir(name: str) -> int | None:
     """Return the step of a committed-checkpoint directory name, or None."""
     m = STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+ROLLBACK_TAG = ".rolledback-"  # step_NNNNNNNNN.rolledback-<id>: newer than a rollback's step (spec/ROOTS.md section 1)
+
+
+def rolled_back_dir_name(name: str, tag: str) -> str:
+    """Return the name a checkpoint set aside by a rollback is renamed to (no longer a step dir)."""
+    return f"{name}{ROLLBACK_TAG}{tag}"
+
+
+def is_rolled_back_dir(name: str) -> bool:
+    return ROLLBACK_TAG in name
 
 
 def quarantine_dir_name(name: str, tag: str) -> str:

@@ -205,6 +205,13 @@ class RenameCommit:
         """Set ``path`` aside as unusable: rename it to ``dest`` (no longer a step dir)."""
         self.store.rename(path, dest)
 
+    def marked_rolled_back(self, path: str) -> bool:
+        return False  # a rolled-back checkpoint is renamed: its name says so
+
+    def roll_back(self, path: str, dest: str, reason: str) -> None:
+        """Set ``path`` aside after a rollback: rename it to ``dest`` (no longer a step dir)."""
+        self.store.rename(path, dest)
+
     def may_be_leftover(self, name: str) -> bool:
         return ".tmp-" in name
 

@@ -26,7 +26,8 @@ MANIFEST_NAME = "manifest.json"
 COMMITTED_NAME = "COMMITTED"
 LEASE_NAME = "LEASE"  # object stores: a save in progress holds its lease here (spec/ROOTS.md section 1)
 BASES_NAME = "BASES"  # an incremental save's base, named while it runs (spec/ROOTS.md section 1)
-QUARANTINED_NAME = "QUARANTINED"  # object stores cannot rename a bad checkpoint aside; they mark it
+QUARANTINED_NAME = "QUARANTINED"
+ROLLED_BACK_NAME = "ROLLED_BACK"  # object stores: a checkpoint set aside by a rollback, in place (spec/ROOTS.md)  # object stores cannot rename a bad checkpoint aside; they mark it
 DATA_DIR = "data"
 
 MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB; real manifests are far smaller

@@ -15,12 +15,12 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from shardfmt.commit.names import parse_step_dir, step_dir_name
-from shardfmt.commit.protocol import commit_strategy, is_committed
+from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import ShardfmtError
 from shardfmt.io.store import Storage
 from shardfmt.training.archive import copy_checkpoint, copy_with_retries
 from shardfmt.training.options import ArchivePolicy
-from shardfmt.training.roots import collect_garbage
+from shardfmt.training.roots import checkpoint_status, collect_garbage
 
 _FAILURES = (ShardfmtError, OSError)
 
@@ -44,7 +44,7 @@ class Archiver:
         if not st.exists(root):
             return []
         return sorted(s for name in st.listdir(root) if (s := parse_step_dir(name)) is not None
-                      and is_committed(st, st.join(root, name)))
+                      and checkpoint_status(st, st.join(root, name), markers_only=True)[0] == "committed")
 
     def schedule(self, step: int, path: str) -> None:
         """Queue a background copy of ``step`` (at ``path``) when its ⌊step / every⌋ is new."""
@@ -81,6 +81,9 @@ class Archiver:
             warnings.warn(f"{self.archive_storage.url(self.archive_root)}: collecting leftovers failed: {e}",
                           stacklevel=2)
         try:
+            strategy = commit_strategy(self.archive_storage)
+            if strategy.marked_rolled_back(dst) or strategy.marked_quarantined(dst):  # set aside in place: replaced
+                self.archive_storage.remove_tree(dst)
             copy_with_retries(lambda: copy_checkpoint(self.storage, path, self.archive_storage, dst),
                               attempts=self.policy.attempts, backoff=self.policy.backoff, on_retry=retry)
         except Exception as e:  # noqa: BLE001 - never into training: reported instead

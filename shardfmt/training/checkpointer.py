@@ -43,7 +43,7 @@ from typing import Any
 from shardfmt.api import save
 from shardfmt.commit.names import parse_step_dir, step_dir_name
 from shardfmt.commit.protocol import commit_strategy
-from shardfmt.errors import StateDictError
+from shardfmt.errors import CheckpointNotFoundError, StateDictError
 from shardfmt.io.registry import get_storage
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
@@ -56,8 +56,10 @@ from shardfmt.training.restore import (
     Tier,
     check_root,
     choose,
+    only_step,
     raise_root_error,
     restore_first_valid,
+    roll_back_newer,
 )
 from shardfmt.training.roots import CheckpointInfo, collect_garbage, list_steps, newest_committed
 from shardfmt.training.saves import PendingSaves
@@ -146,9 +148,11 @@ class Checkpointer:
             self._check_root()
         self.storage.makedirs(self.root)
         url = self.storage.url(path)
-        if self._ranks.rank() == 0 and commit_strategy(self.storage).marked_quarantined(path):
-            # object stores quarantine in place (no rename): a new save of the step replaces it
-            warnings.warn(f"{url}: replacing the quarantined checkpoint of step {step}", stacklevel=3)
+        strategy = commit_strategy(self.storage)
+        if self._ranks.rank() == 0 and (strategy.marked_quarantined(path) or strategy.marked_rolled_back(path)):
+            # object stores set aside in place (no rename): a new save of the step replaces it
+            what = "quarantined" if strategy.marked_quarantined(path) else "rolled-back"
+            warnings.warn(f"{url}: replacing the {what} checkpoint of step {step}", stacklevel=3)
             self.storage.remove_tree(path)
         return path
 
@@ -225,19 +229,55 @@ class Checkpointer:
         return newest_committed(self.storage, self.root)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: Mapping[str, Any], *, allow_mismatch: bool = False) -> int | None:
-        """Restore the newest valid checkpoint into ``state``; return its step (None: none)."""
+    def restore(self, state: Mapping[str, Any], *, step: int | None = None,
+                allow_mismatch: bool = False) -> int | None:
+        """Restore the newest valid checkpoint into ``state``; return its step (None: none).
+
+        ``step=N`` rolls back: restore exactly step N (from the root, else its archive copy; an
+        error if there is none or it is unusable, never an older one), then set aside every
+        later checkpoint, with a warning (renamed ``step_X.rolledback-<id>``; marked
+        ``ROLLED_BACK`` in place on object stores): ``latest()``, ``list()``, retention, the
+        archive and later restores never pick the abandoned future, and saving its steps again
+        works (spec/ROOTS.md section 1)."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise StateDictError(f"step must be an int >= 0 or None, got {step!r}")
         self.wait()
         self._chain.reset()  # a restore starts a run: its first save is full
         materialize(state)
         ranks = self._ranks
-        choice = ranks.broadcast(choose(self._check_root, self._tier, self._archive_tier) if ranks.rank() == 0
-                                 else None)
+        choice = None
+        if ranks.rank() == 0:
+            choice = choose(self._check_root, self._tier, self._archive_tier)
+            if step is not None:
+                choice = only_step(choice, step, self._tier)
+        choice = ranks.broadcast(choice)
         raise_root_error(choice)  # not a root, or one that cannot be listed (no access): not "no checkpoints"
         self._root_checked = True
-        return restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
-                                   config=self.options.config, allow_fresh_start=self.options.allow_fresh_start,
-                                   allow_mismatch=allow_mismatch)
+        try:
+            got = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
+                                      config=self.options.config,
+                                      allow_fresh_start=self.options.allow_fresh_start and step is None,
+                                      allow_mismatch=allow_mismatch)
+        except CheckpointNotFoundError as e:
+            if step is None:
+                raise
+            raise CheckpointNotFoundError(f"cannot roll back to step {step}: no copy of it loads (nothing was set "
+                                          f"aside): {e}") from None
+        if step is not None:
+            self._set_aside_after(step)
+        return got
+
+    def _set_aside_after(self, step: int) -> None:
+        """A rollback loaded ``step``: rank 0 sets every later checkpoint aside; every rank waits for it."""
+        ranks = self._ranks
+        if ranks.rank() == 0:
+            tiers = [self._tier] + ([self._archive_tier] if self._archive_tier is not None else [])
+            aside = roll_back_newer(tiers, step)
+            if aside:
+                warnings.warn(f"rolled back to step {step}: set aside (not deleted) the {len(aside)} later "
+                              f"checkpoint(s) {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}", stacklevel=3)
+        if ranks.distributed():
+            ranks.all_gather(None)  # nobody saves before the abandoned future is out of the way
 
 
 def _archive_tier(opts: CheckpointerOptions, root: Tier) -> Tier:

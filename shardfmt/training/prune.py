@@ -6,14 +6,15 @@ older ones by their markers alone, so a pass costs the same with 10 or 10,000 ch
 it is checked in full (once): the copy that stays must be readable, and a checkpoint of a format
 version this reader cannot read (a newer release's) is neither counted nor removed
 (spec/ROOTS.md section 1). A checkpoint being copied to the archive is left for a later pass, and so is the base of an
-incremental checkpoint that stays or of a save still running (``chains``): retention never
-breaks a chain (spec/ROOTS.md section 1).
+incremental checkpoint that stays, of one a rollback set aside (kept, not deleted), or of a
+save still running (``chains``): retention never breaks a chain (spec/ROOTS.md section 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from shardfmt.commit.names import is_rolled_back_dir
 from shardfmt.io.store import Storage
 from shardfmt.training.chains import live_bases, needed
 from shardfmt.training.options import RetentionPolicy
@@ -26,7 +27,7 @@ def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callabl
     """Remove the committed checkpoints under ``root`` that ``policy`` does not keep, except where
     ``busy(path)`` (being archived) and the bases that kept checkpoints and live saves (their
     lease fresh by ``lease_seconds``) still need (``chains``)."""
-    committed, full = _committed(storage, root, policy.keep_last)
+    committed, full, aside = _committed(storage, root, policy.keep_last)
 
     def status_of(s: int) -> str:
         if s not in full:
@@ -48,7 +49,7 @@ def prune(storage: Storage, root: str, policy: RetentionPolicy, *, busy: Callabl
             del committed[s]
     if doomed:  # incremental checkpoints: never a base that a kept, busy or live save needs
         # (bases are older steps: kept checkpoints older than every doomed one need none of them)
-        kept = [p for s, p in committed.items() if (s not in doomed or busy(p)) and s > min(doomed)]
+        kept = [p for s, p in committed.items() if (s not in doomed or busy(p)) and s > min(doomed)] + aside
         need = needed(storage, root, kept, live_bases(storage, root, lease_seconds=lease_seconds))
         doomed = [s for s in doomed if _name(committed[s]) not in need]
     for step in doomed:
@@ -61,10 +62,12 @@ def _name(path: str) -> str:
     return path.rstrip("/").rpartition("/")[2]
 
 
-def _committed(storage: Storage, root: str, keep_last: int) -> tuple[dict[int, str], dict[int, str]]:
-    """Return (committed step -> path, step -> status for those checked in full), newest first."""
+def _committed(storage: Storage, root: str, keep_last: int) -> tuple[dict[int, str], dict[int, str], list[str]]:
+    """Return (committed step -> path, step -> status for those checked in full, the paths of
+    checkpoints a rollback set aside), newest first."""
     committed: dict[int, str] = {}
     full: dict[int, str] = {}  # step -> its status, checked in full
+    aside = [storage.join(root, n) for n in storage.listdir(root) if is_rolled_back_dir(n)]  # renamed
     for step, path in reversed(step_paths(storage, root)):
         if len(committed) < keep_last:
             status = full[step] = checkpoint_status(storage, path)[0]
@@ -72,4 +75,6 @@ def _committed(storage: Storage, root: str, keep_last: int) -> tuple[dict[int, s
             status = checkpoint_status(storage, path, markers_only=True)[0]
         if status == "committed":
             committed[step] = path
-    return committed, full
+        elif status == "rolled_back":  # marked in place (object stores)
+            aside.append(path)
+    return committed, full, aside

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardfmt.api import load, skip_load
-from shardfmt.commit.names import quarantine_dir_name
+from shardfmt.commit.names import quarantine_dir_name, rolled_back_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
@@ -43,7 +43,14 @@ from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.compat import check_compat
 from shardfmt.training.entries import apply, for_restore, optimizer_signature
 from shardfmt.training.ranks import Ranks
-from shardfmt.training.roots import CheckpointInfo, list_steps, probe_root, root_parent
+from shardfmt.training.roots import (
+    CheckpointInfo,
+    checkpoint_status,
+    list_steps,
+    probe_root,
+    root_parent,
+    step_paths,
+)
 
 FAILURES = (ShardfmtError, OSError)
 _ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
@@ -122,6 +129,38 @@ def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
     return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
 
 
+def only_step(choice: dict, step: int, root: Tier) -> dict:
+    """``choice`` narrowed to the copies of ``step`` (a rollback: ``restore(step=N)``); an error
+    naming the steps there are when there is none. Never a fresh start: ``any`` stays true."""
+    if "error" in choice:
+        return choice
+    mine = [c for c in choice["candidates"] if c[0] == step]
+    if not mine:
+        steps = sorted({c[0] for c in choice["candidates"]})
+        have = ", ".join(map(str, steps[-8:])) + (f" ({len(steps)} in all)" if len(steps) > 8 else "") if steps \
+            else "none"
+        return {"error": f"{root.storage.url(root.root)}: no committed checkpoint of step {step} to roll back to "
+                         f"(committed steps: {have})", "type": "CheckpointNotFoundError"}
+    return {"candidates": mine, "any": True}
+
+
+def roll_back_newer(tiers: list[Tier], step: int) -> list[str]:
+    """Rank 0, after a rollback to ``step`` loaded: set aside every checkpoint of a later step in
+    each tier (renamed ``step_X.rolledback-<id>``, or marked ``ROLLED_BACK`` in place on object
+    stores), so that no lister picks the abandoned future; return their URLs."""
+    tag = uuid.uuid4().hex[:8]
+    done = []
+    for tier in tiers:
+        strategy = commit_strategy(tier.storage)
+        for s, path in step_paths(tier.storage, tier.root):
+            if s <= step or checkpoint_status(tier.storage, path, markers_only=True)[0] != "committed":
+                continue
+            dest = rolled_back_dir_name(path, tag)
+            strategy.roll_back(path, dest, f"set aside by a rollback to step {step}")
+            done.append(tier.storage.url(path if strategy.in_place else dest))
+    return done
+
+
 def _quarantine_torn(storage: Storage, infos: list[CheckpointInfo]) -> None:
     for i in infos:
         if i.status == "corrupt":  # committed, then torn (a file missing or truncated, a bad manifest)
@@ -168,8 +207,8 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
             _give_up(tier, path, failing, ranks)
             continue
         if tier.name == "archive":
-            warnings.warn(f"{root.storage.url(root.root)}: no valid checkpoint; restored step {step} from the "
-                          f"archive {url}", stacklevel=3)
+            warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
+                          f"the archive {url}", stacklevel=3)
         apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
               dirty=dirty, world=ranks.world())
         return step

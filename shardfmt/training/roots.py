@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from shardfmt.commit.names import is_quarantined_dir, parse_step_dir
+from shardfmt.commit.names import is_quarantined_dir, is_rolled_back_dir, parse_step_dir
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
@@ -22,7 +22,13 @@ from shardfmt.errors import (
     StorageError,
 )
 from shardfmt.format import refs
-from shardfmt.format.manifest import COMMITTED_NAME, FORMAT_VERSION, MANIFEST_NAME, QUARANTINED_NAME
+from shardfmt.format.manifest import (
+    COMMITTED_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    QUARANTINED_NAME,
+    ROLLED_BACK_NAME,
+)
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
@@ -51,10 +57,15 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
         return "incomplete", None, None, "staging dir of an unfinished save"
     if is_quarantined_dir(name):
         return "quarantined", None, None, "renamed aside by a restore that found it unusable"
+    if is_rolled_back_dir(name):
+        return "rolled_back", None, None, "renamed aside by a rollback to an earlier step"
     if not storage.exists(storage.join(path, COMMITTED_NAME)):
         return "incomplete", None, None, f"no {COMMITTED_NAME}"
-    if commit_strategy(storage).marked_quarantined(path):
+    strategy = commit_strategy(storage)
+    if strategy.marked_quarantined(path):
         return "quarantined", None, None, f"{QUARANTINED_NAME} marker"
+    if strategy.marked_rolled_back(path):
+        return "rolled_back", None, None, f"{ROLLED_BACK_NAME} marker: set aside by a rollback to an earlier step"
     if markers_only:
         return "committed", None, None, ""
     try:

@@ -43,5 +43,22 @@ def incremental_restore(rank, world, args):
     return {"step": step, **{k: v.full_tensor().flatten().tolist()[:4096] for k, v in model.state_dict().items()}}
 
 
+@job
+def incremental_rollback(rank, world, args):
+    """Roll back to step 1 on every rank: the state is step 1's, and step 3 is set aside once, by rank 0."""
+    import warnings
+
+    expected = _model(rank, world)
+    with torch.no_grad():
+        expected.head += 1
+    model = _model(rank, world, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = shardfmt.Checkpointer(args["root"]).restore({"model": model}, step=1)
+    same = all(torch.equal(a.full_tensor(), b.full_tensor())
+               for a, b in zip(model.state_dict().values(), expected.state_dict().values()))
+    return {"step": step, "same": same, "warned": [str(w.message) for w in caught if "rolled back" in str(w.message)]}
+
+
 if __name__ == "__main__":
     main()
