@@ -35,16 +35,20 @@ def _launch(root: str, run: str, steps: int, save_every: int, kill_at: int | Non
             return 124  # never hang the caller
 
 
-def _read(root: str, run: str, rank: int) -> tuple[dict[int, dict], int | None]:
+def _read(root: str, run: str, rank: int) -> tuple[dict[int, dict], dict | None]:
+    """A run's log: each step's record, and the resume record (None: never resumed). A step
+    logged twice is an error: the resumed run rewinds the lost run's steps first."""
     steps: dict[int, dict] = {}
     resumed = None
     with open(os.path.join(root, f"{run}.rank{rank}.jsonl")) as f:
         for line in f:
             rec = json.loads(line)
             if "resumed_from" in rec:
-                resumed = rec["resumed_from"]
+                resumed = rec
+            elif rec["step"] in steps:
+                raise ValueError(f"{run}.rank{rank}.jsonl logs step {rec['step']} twice")
             else:
-                steps[rec["step"]] = rec  # a redone step overwrites the lost run's record
+                steps[rec["step"]] = rec
     return steps, resumed
 
 
@@ -71,7 +75,7 @@ def run_demo(args) -> int:
     kill_at = 25
     t0 = time.monotonic()
     print(f"demo: 2 ranks via torchrun, {steps} steps, checkpoint every {every}, rank 1 killed at step {kill_at}")
-    print("[1/2] run A (uninterrupted) ...", flush=True)
+    print("[1/3] run A (uninterrupted) ...", flush=True)
     rc_a = _launch(root, "A", steps, every, None)
     print(f"[2/3] run B (rank 1 SIGKILLed at step {kill_at}; the job dies) ...", flush=True)
     rc_kill = _launch(root, "B", steps, every, kill_at)
@@ -82,11 +86,15 @@ def run_demo(args) -> int:
               f"logs in {root}")
         return 1
     a0, _ = _read(root, "A", 0)
-    b0, resumed = _read(root, "B", 0)
+    b0, record = _read(root, "B", 0)
     b1, _ = _read(root, "B", 1)
     a1, _ = _read(root, "A", 1)
+    resumed = record["resumed_from"]
+    rewound = record["rewound"]
     print(f"\nresumed from step {resumed}; steps redone: {resumed + 1}..{kill_at} "
-          f"({kill_at - resumed} steps lost to the crash)")
+          f"({kill_at - resumed} steps lost to the crash); the log's records of steps "
+          f"{rewound[0]}..{rewound[-1]} from the lost run were rewound before the resume, so each step "
+          f"appears once" if rewound else f"\nresumed from step {resumed}")
     print(f"\n{'step':>5} {'loss A':>12} {'loss B':>12}  same")
     for s in range(1, steps + 1):
         la, lb = a0[s]["loss"], b0[s]["loss"]

@@ -1,7 +1,8 @@
 """The demo's training job (run by torchrun): a small transformer, resumable bit for bit.
 
 Every rank logs, per step, the global mean loss and the sample ids it trained on to
-``<dir>/<run>.rank<R>.jsonl``. With ``--kill-at S`` rank 1 SIGKILLs itself after step S; the
+``<dir>/<run>.rank<R>.jsonl``; a resumed run first drops the steps the lost run logged past
+its checkpoint (``training.logs.rewind_jsonl``), so each step is in the log once. With ``--kill-at S`` rank 1 SIGKILLs itself after step S; the
 job is then launched again, restores the newest checkpoint and carries on.
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardfmt import Checkpointer, ResumableSampler
+from shardfmt.training.logs import rewind_jsonl
 
 VOCAB, SEQ, DIM, SAMPLES = 64, 16, 32, 256
 
@@ -73,9 +75,13 @@ def main() -> None:
     ck = Checkpointer(os.path.join(a.dir, f"ckpt_{a.name}"), keep_last=2)
     step = ck.restore(state) or 0
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    log = open(os.path.join(a.dir, f"{a.name}.rank{rank}.jsonl"), "a")
+    log_path = os.path.join(a.dir, f"{a.name}.rank{rank}.jsonl")
+    # The lost run logged steps past the checkpoint: drop them, so the log holds each step once
+    # (TensorBoard: SummaryWriter(purge_step=step + 1) does the same to its event files).
+    rewound = rewind_jsonl(log_path, step) if step else []
+    log = open(log_path, "a")
     if step:
-        log.write(json.dumps({"resumed_from": step, "attempt": attempt}) + "\n")
+        log.write(json.dumps({"resumed_from": step, "attempt": attempt, "rewound": rewound}) + "\n")
     while step < a.steps:
         loader = torch.utils.data.DataLoader(torch.arange(len(data)), batch_size=a.batch, sampler=sampler,
                                              generator=loader_gen, drop_last=True)

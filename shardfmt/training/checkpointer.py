@@ -48,6 +48,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
 from shardfmt.training.entries import for_save, materialize
+from shardfmt.training.midstep import mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
 from shardfmt.training.ranks import Ranks
@@ -93,6 +94,8 @@ class Checkpointer:
         self._root_checked = False  # the root rules (spec/ROOTS.md section 1) hold: checked at restore or the first save
         self._saves = PendingSaves()
         self._chain = _Chain()
+        self._warned_mid_step = False
+        self.restored_step: int | None = None  # what the last restore resumed from (loggers rewind to it)
         ref = weakref.ref(self)
         at_exit(lambda: ref() is not None and ref()._wait_quietly())
 
@@ -115,6 +118,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateDictError(f"step must be an int >= 0, got {step!r}")
         self._saves.warn_failed()
+        self._warn_mid_step(state)
         sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks)
         path = self._step_dir(step)
         url = self.storage.url(path)
@@ -139,6 +143,15 @@ class Checkpointer:
         self._chain.saved(path, base)
         self._after_commit(step)
         return path
+
+    def _warn_mid_step(self, state: Mapping[str, Any]) -> None:
+        """Warn once if a model holds pending (non-zero) gradients: they are not saved (``midstep``)."""
+        if self._warned_mid_step:
+            return
+        names = pending_grads(state)
+        if names:
+            self._warned_mid_step = True
+            warnings.warn(mid_step_message(names), stacklevel=3)
 
     def _step_dir(self, step: int) -> str:
         """Return the path of ``step``'s checkpoint, with the root checked and made, and a
@@ -265,6 +278,7 @@ class Checkpointer:
                                           f"aside): {e}") from None
         if step is not None:
             self._set_aside_after(step)
+        self.restored_step = got
         return got
 
     def _set_aside_after(self, step: int) -> None:
