@@ -35,6 +35,8 @@ The knobs and their defaults live in ``options.CheckpointerOptions``; this class
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -45,9 +47,11 @@ from shardfmt.commit.names import parse_step_dir, step_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import CheckpointNotFoundError, StateDictError
 from shardfmt.io.registry import get_storage
+from shardfmt.io.store import io_stats
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
 from shardfmt.training.entries import for_save, materialize
+from shardfmt.training.interval import Interval, SaveCost, Stats, steps_for, suggest
 from shardfmt.training.midstep import mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
@@ -66,6 +70,9 @@ from shardfmt.training.roots import CheckpointInfo, collect_garbage, list_steps,
 from shardfmt.training.saves import PendingSaves
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
+
+log = logging.getLogger("shardfmt")
+MAX_KEPT = 100  # saves, restores and step times a Checkpointer keeps for its statistics
 
 
 class Checkpointer:
@@ -95,6 +102,11 @@ class Checkpointer:
         self._saves = PendingSaves()
         self._chain = _Chain()
         self._warned_mid_step = False
+        self._costs: list[SaveCost] = []
+        self._restores: list[float] = []
+        self._step_times: list[float] = []  # seconds between maybe_save calls (every="auto")
+        self._last_call: float | None = None
+        self._next_due: int | None = None
         self.restored_step: int | None = None  # what the last restore resumed from (loggers rewind to it)
         ref = weakref.ref(self)
         at_exit(lambda: ref() is not None and ref()._wait_quietly())
@@ -124,12 +136,19 @@ class Checkpointer:
         url = self.storage.url(path)
         opts = self.options
         base = self._chain.base(path, opts)
+        t0, io0 = time.perf_counter(), io_stats()["bytes_written"]
         common = dict(step=step, metadata=meta, storage_options=self.storage_options,
                       process_group=opts.process_group, timeout=opts.timeout, mesh=opts.mesh,
                       base=None if base is None else self.storage.url(base))
         if async_:
+            held: list = []  # the handle, once async_save returns (the commit comes after)
+
+            def committed(manifest) -> None:
+                self._measured(step, held[0].blocked_seconds if held else 0.0, t0, io0)
+                self._after_async_commit(manifest)
             handle = async_save(sd, url, stager=self._saves.stager(), policy=policy, stage=stage,
-                                on_commit=self._after_async_commit, **common)
+                                on_commit=committed, **common)
+            held.append(handle)
             if not handle.skipped:
                 self._chain.saved(path, base)
             self._saves.add(handle)
@@ -140,9 +159,65 @@ class Checkpointer:
         except BaseException:
             self._chain.reset()
             raise
+        self._measured(step, None, t0, io0)
         self._chain.saved(path, base)
         self._after_commit(step)
         return path
+
+    def _measured(self, step: int, blocked: float | None, t0: float, io0: int) -> None:
+        """Keep (and log) what the save of ``step`` cost; ``blocked`` None: a sync save (all of it)."""
+        total = time.perf_counter() - t0
+        cost = SaveCost(step=step, blocked=total if blocked is None else blocked, total=total,
+                        bytes=io_stats()["bytes_written"] - io0)
+        self._costs = (self._costs + [cost])[-MAX_KEPT:]
+        log.info("shardfmt: step %d saved: the loop waited %.3f s, %.3f s to the commit, %d bytes written here",
+                 step, cost.blocked, cost.total, cost.bytes)
+
+    @property
+    def stats(self) -> Stats:
+        """What this Checkpointer's saves (the last 100) and restores cost, as this rank measured them."""
+        return Stats(saves=tuple(self._costs), restores=tuple(self._restores))
+
+    def suggest_interval(self, mtbf: float | None = None, *, restart: float | None = None,
+                         formula: str = "daly") -> Interval:
+        """The interval between saves, in seconds of training, that loses the least time to
+        checkpoints and failures (``interval``: Young's sqrt(2 C M), Daly's refinement by
+        default): ``C`` the measured median seconds a save blocks the loop, ``M`` = ``mtbf``
+        (default: the options'), ``R`` = ``restart`` (default: the options' ``restart_cost``,
+        else the measured restore time), never under one save's total time."""
+        st = self.stats
+        if st.blocked is None:
+            raise StateDictError("suggest_interval: no save measured yet (save once first)")
+        mtbf = mtbf if mtbf is not None else self.options.mtbf
+        if mtbf is None:
+            raise StateDictError("suggest_interval: pass mtbf= (the mean seconds between failures)")
+        if restart is None:
+            restart = self.options.restart_cost if self.options.restart_cost is not None else (st.restore or 0.0)
+        return suggest(cost=st.blocked, mtbf=mtbf, restart=restart, total=st.total, formula=formula)
+
+    def maybe_save(self, step: int, state: Mapping[str, Any], **kwargs: Any):
+        """Save when ``every`` says so (the options'): an int, every that many steps; "auto", at
+        the interval ``suggest_interval`` gives, counted in steps at the measured step time
+        (rank 0's, told to every rank at each save: every rank decides alike). Returns what
+        ``save`` returns, or None when no save is due. Call it once per step, on every rank."""
+        every = self.options.every
+        if every is None:
+            raise StateDictError("maybe_save needs Checkpointer(every=...) (an int of steps, or 'auto')")
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self._step_times = (self._step_times + [now - self._last_call])[-MAX_KEPT:]
+        self._last_call = now
+        due = step % every == 0 if every != "auto" else (self._next_due is None or step >= self._next_due)
+        if not due:
+            return None
+        out = self.save(step, state, **kwargs)
+        if every == "auto":
+            n = None
+            if self._ranks.rank() == 0 and self.stats.saves:
+                n = steps_for(self.suggest_interval().seconds, self._step_times)
+            self._next_due = step + int(self._ranks.broadcast(n) or 1)
+        self._last_call = time.perf_counter()  # the save's own time is not a step's
+        return out
 
     def _warn_mid_step(self, state: Mapping[str, Any]) -> None:
         """Warn once if a model holds pending (non-zero) gradients: they are not saved (``midstep``)."""
@@ -254,6 +329,7 @@ class Checkpointer:
         works (spec/ROOTS.md section 1)."""
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise StateDictError(f"step must be an int >= 0 or None, got {step!r}")
+        t0 = time.perf_counter()
         self.wait()
         self._chain.reset()  # a restore starts a run: its first save is full
         materialize(state)
@@ -279,6 +355,9 @@ class Checkpointer:
         if step is not None:
             self._set_aside_after(step)
         self.restored_step = got
+        if got is not None:
+            self._restores = (self._restores + [time.perf_counter() - t0])[-MAX_KEPT:]
+            log.info("shardfmt: restored step %d in %.3f s", got, self._restores[-1])
         return got
 
     def _set_aside_after(self, step: int) -> None:

@@ -65,7 +65,9 @@ class CheckpointerOptions:
     ``mesh`` are passed to ``save``/``load``. ``incremental`` makes each save after the first of
     a run write only the shards whose bytes changed since this Checkpointer's previous save and
     reference the rest there (spec/FORMAT.md section 4.10); every ``full_every``-th save is full,
-    which bounds the chain a restore depends on.
+    which bounds the chain a restore depends on. ``every`` (an int: steps; "auto": the interval
+    ``suggest_interval`` gives from the measured cost and ``mtbf``, the mean seconds between
+    failures, and ``restart_cost``) is what ``maybe_save`` applies.
     """
 
     retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
@@ -79,8 +81,20 @@ class CheckpointerOptions:
     mesh: Mapping[str, int] | None = None
     incremental: bool = False
     full_every: int = 8
+    every: int | str | None = None
+    mtbf: float | None = None
+    restart_cost: float | None = None
 
     def __post_init__(self) -> None:
+        if self.every is not None and self.every != "auto":
+            _check_count("every", self.every)
+        for name in ("mtbf", "restart_cost"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf")
+                                  or (name == "mtbf" and v == 0)):
+                raise ValueError(f"Checkpointer: {name} must be a finite number of seconds (> 0 for mtbf), got {v!r}")
+        if self.every == "auto" and self.mtbf is None:
+            raise ValueError("Checkpointer: every='auto' needs mtbf= (the mean time between failures, in seconds)")
         if not isinstance(self.incremental, bool):
             raise ValueError(f"Checkpointer: incremental must be True or False, got {self.incremental!r}")
         _check_count("full_every", self.full_every)
