@@ -120,3 +120,69 @@ def test_maybe_save_every_n_steps_and_every_auto(tmp_path, monkeypatch):
     monkeypatch.setattr(ckmod, "steps_for", lambda seconds, times: 4)  # 0.05 s at the measured step time
     saved = [s for s in range(1, 15) if auto.maybe_save(s, {"model": m}) is not None]
     assert saved == [1, 5, 9, 13]  # the first call measures a save; then every 4 steps
+
+
+# ----------------------------------------------------------------------------- data-loader state (item 1)
+
+
+def _loader(seed: int, workers: int = 2, sampler=None):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ds = torch.arange(200)
+    kw = dict(sampler=sampler) if sampler is not None else dict(shuffle=True)
+    return StatefulDataLoader(ds, batch_size=4, num_workers=workers, in_order=True,
+                              generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def test_a_stateful_data_loader_with_workers_resumes_with_exactly_the_batches_it_would_have_given(tmp_path):
+    pytest.importorskip("torchdata")
+    dl = _loader(0)
+    it = iter(dl)
+    seen = [next(it).tolist() for _ in range(5)]
+    ck = shardfmt.Checkpointer(str(tmp_path / "root"))
+    ck.save(5, {"loader": dl})
+    rest = [b.tolist() for b in it]  # the uninterrupted run
+    fresh = _loader(seed=99)  # another generator: only the checkpoint can make it agree
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert shardfmt.Checkpointer(str(tmp_path / "root")).restore({"loader": fresh}) == 5
+    assert [b.tolist() for b in fresh] == rest and len(rest) == 45 and seen
+
+
+def test_per_rank_values_keep_their_tensors_per_rank_and_pickles_are_refused(tmp_path):
+    from shardfmt.errors import EncodingError, StateDictError
+
+    g = torch.Generator().manual_seed(3)
+    state = {"gen": shardfmt.PerRank({"state": g.get_state(), "n": 4})}
+    shardfmt.save(state, str(tmp_path / "a"))
+    back = {"gen": shardfmt.PerRank({"state": torch.zeros_like(g.get_state()), "n": 0})}
+    shardfmt.load(back, str(tmp_path / "a"))
+    got = back["gen"].value
+    assert torch.equal(got["state"], g.get_state()) and got["state"].dtype == torch.uint8 and got["n"] == 4
+    with pytest.raises(StateDictError, match=r"gen\.x: a per-rank value holds a torch.bfloat16"):
+        shardfmt.save({"gen": shardfmt.PerRank({"x": torch.ones(2, dtype=torch.bfloat16)})}, str(tmp_path / "b"))
+    import pickle
+
+    with pytest.raises(EncodingError, match=r"loader\.dp_rank_0: holds pickled bytes"):
+        shardfmt.save({"loader": shardfmt.PerRank({"dp_rank_0": pickle.dumps({"pos": 3})})}, str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_data_loader_and_another_world_size_is_told_loudly(tmp_path):
+    """2 ranks, a StatefulDataLoader with 2 workers over a DistributedSampler each: every rank's
+    state is its own (per rank), the resumed ranks see exactly the batches the uninterrupted
+    ones did; resumed on 1 rank the state cannot be resharded: a warning says so, and why."""
+    pytest.importorskip("torchdata")
+    from tests.distributed.harness import check_all_ok, launch
+
+    root = str(tmp_path / "root")
+    saved = check_all_ok(launch("loader_save", 2, {"root": root}, out_dir=str(tmp_path / "o1"),
+                                module="tests.distributed.loop_jobs", timeout=180))
+    assert saved[0]["rest"] != saved[1]["rest"]  # the ranks read different samples
+    back = check_all_ok(launch("loader_restore", 2, {"root": root}, out_dir=str(tmp_path / "o2"),
+                               module="tests.distributed.loop_jobs", timeout=180))
+    assert [r["rest"] for r in back] == [s["rest"] for s in saved] and all(r["step"] == 7 for r in back)
+    one = check_all_ok(launch("loader_restore", 1, {"root": root}, out_dir=str(tmp_path / "o3"),
+                              module="tests.distributed.loop_jobs", timeout=180))
+    assert one[0]["step"] == 7 and len(one[0]["warnings"]) == 1 and "ResumableSampler" in one[0]["warnings"][0]

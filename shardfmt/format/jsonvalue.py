@@ -40,6 +40,12 @@ _NP_KINDS = frozenset("biufc")  # numeric and bool numpy dtypes only (no object,
 MAX_DEPTH = 48  # nesting of one value; the manifest adds its own levels (limit 64 in all)
 
 
+def is_pickle(data: bytes | bytearray) -> bool:
+    """Whether ``data`` looks like ``pickle.dumps`` output (protocol 2-5: the PROTO opcode, then
+    the STOP opcode last), as the state of some data loaders is (torchtitan's)."""
+    return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5 and data[-1:] == b"."
+
+
 def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
     """Return the typed-JSON form of ``value``; raise EncodingError naming ``where``."""
     if _depth > MAX_DEPTH:
@@ -77,6 +83,10 @@ def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
             ]
         }
     if isinstance(value, (bytes, bytearray)):
+        if is_pickle(value):
+            raise EncodingError(f"{where}: holds pickled bytes (pickle protocol {value[1]}); shardfmt never "
+                                "writes a pickle, which would run code when read back: return the state as "
+                                "tensors and plain values (dicts, lists, numbers, strings) instead")
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NP_KINDS:

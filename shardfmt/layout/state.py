@@ -155,9 +155,54 @@ def flat_group(buffer: torch.Tensor, members: Sequence[tuple[str, Sequence[int],
 
 @dataclass(frozen=True, slots=True)
 class PerRank:
-    """A value that differs per rank (RNG state, per-rank counters): stored per rank."""
+    """A value that differs per rank (RNG state, per-rank counters, a data loader's state):
+    stored per rank, as typed JSON; the small CPU tensors it may hold (a sampler generator's
+    state) as numpy arrays (``per_rank_arrays``), given back as tensors where the value loaded
+    into holds a tensor (``per_rank_tensors``)."""
 
     value: Any
+
+
+def per_rank_arrays(value: Any, *, where: str, _depth: int = 0) -> Any:
+    """``value`` with every tensor replaced by a numpy array of its bytes (a copy): what typed
+    JSON stores (spec section 8). A tensor numpy cannot hold (bfloat16, float8, a GPU tensor
+    that does not fit) is refused, naming it."""
+    if _depth > 200:
+        raise StateDictError(f"{where}: nested more than 200 levels deep")
+    if isinstance(value, torch.Tensor):
+        if _is_dtensor(value) or value.is_meta or value.is_sparse:
+            raise StateDictError(f"{where}: a per-rank value holds a {type(value).__name__} that is not a plain "
+                                 "tensor; store it as a state-dict tensor instead")
+        t = value.detach().to("cpu")
+        try:
+            return t.numpy().copy()
+        except (TypeError, RuntimeError) as e:
+            raise StateDictError(f"{where}: a per-rank value holds a {t.dtype} tensor, which typed JSON cannot "
+                                 f"store ({e}); make it a state-dict tensor") from None
+    if isinstance(value, dict):
+        return {k: per_rank_arrays(v, where=f"{where}.{k}", _depth=_depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        out = [per_rank_arrays(v, where=f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]
+        return out if isinstance(value, list) else tuple(out)
+    return value
+
+
+def per_rank_tensors(value: Any, template: Any, *, _depth: int = 0) -> Any:
+    """``value`` (a loaded per-rank value) with every numpy array that stands where ``template``
+    (the value it is loaded into) holds a tensor turned back into a tensor of that dtype."""
+    import numpy as np
+
+    if _depth > 200:
+        return value
+    if isinstance(template, torch.Tensor) and isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).copy()).to(template.dtype)
+    if isinstance(template, dict) and isinstance(value, dict):
+        return {k: per_rank_tensors(v, template.get(k), _depth=_depth + 1) for k, v in value.items()}
+    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
+        out = [per_rank_tensors(v, template[i] if i < len(template) else None, _depth=_depth + 1)
+               for i, v in enumerate(value)]
+        return out if isinstance(value, list) else tuple(out)
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from shardfmt.layout.state import (
     _is_dtensor,
     check_settable,
     flatten,
+    per_rank_tensors,
     set_leaf,
     settle_if_saved,
 )
@@ -147,7 +148,9 @@ def _stored_value(leaf: Leaf, rec: ValueRecord, m: Manifest, options: LoadOption
         raise ManifestError(f"{source}: {fqn}: a per-rank value, but the checkpoint holds none for rank {rank} "
                             f"(of the {saved_world} ranks that saved it)")
     got = jsonvalue.decode_stored(rec.per_rank[rank], where=fqn, source=source)
-    return PerRank(got) if isinstance(v, PerRank) else got
+    if isinstance(v, PerRank):
+        return PerRank(per_rank_tensors(got, v.value))  # tensors come back where the caller holds tensors
+    return got
 
 
 def _check_absent(absent: list[Leaf], m: Manifest, source: str, *, strict: bool) -> tuple[str, ...]:

@@ -21,7 +21,15 @@ from shardfmt.format.manifest import TensorRecord
 from shardfmt.format.tensor_bytes import resolved
 from shardfmt.layout.dtensor import dtensor_layout, placement_record
 from shardfmt.layout.geometry import Box
-from shardfmt.layout.state import FlatShard, Leaf, PerRank, ShardedTensor, _is_dtensor, flatten
+from shardfmt.layout.state import (
+    FlatShard,
+    Leaf,
+    PerRank,
+    ShardedTensor,
+    _is_dtensor,
+    flatten,
+    per_rank_arrays,
+)
 from shardfmt.layout.topology import held_boxes
 from shardfmt.saving.messages import HeldTensor, RankError, RankState
 from shardfmt.saving.sharing import check_saveable, plan_sharing
@@ -87,7 +95,7 @@ def describe(state_dict: dict, rank: int) -> tuple[RankState, dict[str, list[Pie
             check_saveable(leaf.fqn, v)
             plain[leaf.fqn] = resolved(v)  # a lazy conj/neg is not its storage's bytes: shares nothing
         elif isinstance(v, PerRank):
-            per_rank[leaf.fqn] = jsonvalue.encode(v.value, where=leaf.fqn)
+            per_rank[leaf.fqn] = jsonvalue.encode(per_rank_arrays(v.value, where=leaf.fqn), where=leaf.fqn)
         else:
             values[leaf.fqn] = jsonvalue.encode(v, where=leaf.fqn)
     stored, aliases, views, storages = plan_sharing(plain)

@@ -39,6 +39,13 @@ def is_optimizer(v) -> bool:
     return isinstance(v, torch.optim.Optimizer)
 
 
+def is_per_rank_state(v) -> bool:
+    """Entries whose state differs per rank and cannot be resharded: data loaders (torch's, and
+    torchdata's ``StatefulDataLoader``, a subclass) and iterable datasets with a state: each rank's
+    is saved as its own (``PerRank``), restored on the same world size only (``apply``)."""
+    return isinstance(v, (torch.utils.data.DataLoader, torch.utils.data.IterableDataset))
+
+
 def _owner(opt, models: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module:
     params = {id(p) for g in opt.param_groups for p in g["params"]}
     for m in models.values():
@@ -63,6 +70,8 @@ def state_dicts(state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
             out[name] = optimizer_state_dict(_owner(obj, models, name), obj)  # made-up state: IfSaved
             if any(isinstance(v, IfSaved) for v in out[name]["state"].values()):
                 fresh_optims.add(name)
+        elif is_per_rank_state(obj) and hasattr(obj, "state_dict"):
+            out[name] = PerRank(obj.state_dict())  # each rank's own: its tensors too (a generator's state)
         elif hasattr(obj, "state_dict"):
             out[name] = obj.state_dict()
         else:
@@ -122,7 +131,9 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
     meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
     meta = meta if isinstance(meta, dict) else {}
     saved_entries = set(meta.get("entries", []))
-    _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []))
+    same_world = manifest.topology.world_size == world
+    _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []),
+                  same_world=same_world, saved_world=manifest.topology.world_size)
     rng_state = sd[RNG_KEY].value
     if rng_state is not None:
         rng.restore(rng_state)
@@ -133,7 +144,7 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
 
 
 def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *, fresh_optims: set[str],
-                  unstepped: list) -> None:
+                  unstepped: list, same_world: bool = True, saved_world: int = 1) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     models = {k: v for k, v in state.items() if is_module(v)}
@@ -144,9 +155,17 @@ def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *,
             set_optimizer_state(_owner(obj, models, name), obj, sd[name])
             if name in fresh_optims and name in unstepped:
                 obj.state.clear()  # saved before its first step by a version that wrote made-up state
+        elif is_per_rank_state(obj) and not same_world:
+            warnings.warn(
+                f"state entry {name!r} ({type(obj).__name__}): its state was saved by each of {saved_world} ranks and "
+                "cannot be resharded to this job's world size: it starts from its initial state, so samples may "
+                "repeat or be skipped this epoch. For a data cursor that reshards, sample with "
+                "shardfmt.ResumableSampler; or restore this entry yourself from the step restore returns",
+                stacklevel=6)
         else:
+            value = sd[name].value if isinstance(sd[name], PerRank) else sd[name]
             try:
-                obj.load_state_dict(sd[name])
+                obj.load_state_dict(value)
             except Exception as e:  # noqa: BLE001 - the user object's own error, named and typed
                 done = list(state)[: list(state).index(name)]
                 raise StateDictError(
