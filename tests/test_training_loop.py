@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -186,3 +187,20 @@ def test_each_rank_resumes_its_own_data_loader_and_another_world_size_is_told_lo
     one = check_all_ok(launch("loader_restore", 1, {"root": root}, out_dir=str(tmp_path / "o3"),
                               module="tests.distributed.loop_jobs", timeout=180))
     assert one[0]["step"] == 7 and len(one[0]["warnings"]) == 1 and "ResumableSampler" in one[0]["warnings"][0]
+
+
+def test_a_resume_over_other_data_is_refused_unless_allowed(tmp_path):
+    from shardfmt.errors import CompatibilityError
+
+    root = str(tmp_path / "root")
+    shardfmt.Checkpointer(root, data_fingerprint="files-v1").save(
+        3, {"sampler": shardfmt.ResumableSampler(100, seed=1)})
+    with pytest.raises(CompatibilityError, match=r"data of entry 'sampler' differs.*length 100 -> 120"):
+        shardfmt.Checkpointer(root, data_fingerprint="files-v1").restore({"sampler": shardfmt.ResumableSampler(120, seed=1)})
+    with pytest.raises(CompatibilityError, match=r"data fingerprint differs.*'files-v1' -> 'files-v2'"):
+        shardfmt.Checkpointer(root, data_fingerprint="files-v2").restore({"sampler": shardfmt.ResumableSampler(100, seed=1)})
+    assert shardfmt.Checkpointer(root, data_fingerprint="files-v2").restore(
+        {"sampler": shardfmt.ResumableSampler(100, seed=1)}, allow_mismatch=True) == 3
+    assert shardfmt.Checkpointer(root, data_fingerprint="files-v1").restore(
+        {"sampler": shardfmt.ResumableSampler(100, seed=1)}) == 3
+    assert sorted(os.listdir(root)) == ["step_000000003"]  # a mismatch quarantines nothing

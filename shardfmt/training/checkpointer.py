@@ -50,7 +50,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.io.store import io_stats
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
-from shardfmt.training.entries import for_save, materialize
+from shardfmt.training.entries import data_identity, for_save, materialize
 from shardfmt.training.interval import Interval, SaveCost, Stats, steps_for, suggest
 from shardfmt.training.midstep import mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
@@ -131,7 +131,8 @@ class Checkpointer:
             raise StateDictError(f"step must be an int >= 0, got {step!r}")
         self._saves.warn_failed()
         self._warn_mid_step(state)
-        sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks)
+        sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks,
+                            data_fingerprint=self.options.data_fingerprint)
         path = self._step_dir(step)
         url = self.storage.url(path)
         opts = self.options
@@ -345,6 +346,7 @@ class Checkpointer:
         try:
             got = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
                                       config=self.options.config,
+                                      data=data_identity(state, self.options.data_fingerprint),
                                       allow_fresh_start=self.options.allow_fresh_start and step is None,
                                       allow_mismatch=allow_mismatch)
         except CheckpointNotFoundError as e:

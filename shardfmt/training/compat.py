@@ -37,7 +37,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def check_compat(path: str, manifest: Manifest, *, config: Any, signature: Mapping[str, dict],
-                 optimizers: Mapping[str, dict], allow_mismatch: bool) -> None:
+                 optimizers: Mapping[str, dict], allow_mismatch: bool, data: Mapping[str, Any] | None = None) -> None:
     """Raise CompatibilityError when the checkpoint at ``path`` was saved for another config, model
     (``signature``: tensor name -> [dtype, shape] per model) or optimizer (class, parameter groups)."""
     meta = jsonvalue.decode_stored(manifest.metadata, where="metadata", source=path) or {}
@@ -50,6 +50,23 @@ def check_compat(path: str, manifest: Manifest, *, config: Any, signature: Mappi
                                  f"saved config: {str(meta.get('config'))[:300]}; pass allow_mismatch=True")
     _check_models(path, meta.get("signature") or {}, signature)
     _check_optimizers(path, meta.get("optimizers") or {}, optimizers)
+    _check_data(path, meta.get("data") or {}, data or {})
+
+
+def _check_data(path: str, saved: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """A data entry's length or version, or the job's data fingerprint, that differs from what
+    was saved: resuming the cursor over other data would silently skip or repeat samples."""
+    for name, have in sorted(now.items()):
+        old = saved.get(name)
+        if not isinstance(old, dict) or not isinstance(have, dict):
+            continue
+        diff = [f"{k} {old.get(k)!r} -> {have.get(k)!r}" for k in sorted(set(old) | set(have))
+                if old.get(k) is not None and have.get(k) is not None and old.get(k) != have.get(k)]
+        if diff:
+            what = "the data fingerprint" if name == "" else f"the data of entry {name!r}"
+            raise CompatibilityError(f"{path}: {what} differs from the checkpoint's ({'; '.join(diff)}): its "
+                                     "position in the data would point at other samples (pass allow_mismatch=True "
+                                     "to resume anyway)")
 
 
 def _check_models(path: str, saved: Mapping[str, Any], signature: Mapping[str, dict]) -> None:

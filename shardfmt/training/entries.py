@@ -89,7 +89,31 @@ def optimizer_signature(state: Mapping[str, Any], sd: Mapping[str, Any]) -> dict
             for name, obj in state.items() if is_optimizer(obj)}
 
 
-def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks: Ranks) -> tuple[dict, dict]:
+def data_identity(state: Mapping[str, Any], fingerprint: Any = None) -> dict:
+    """What the state's data is, as restore compares it: per data entry (a data loader, a
+    ``ResumableSampler``, an iterable dataset) its dataset's length and its own ``version`` or
+    ``fingerprint`` attribute if it has one; and ``fingerprint`` (the caller's: e.g. a digest of
+    the data's file list), under ``""``."""
+    out: dict[str, Any] = {}
+    for name, obj in state.items():
+        if not (is_per_rank_state(obj) or hasattr(obj, "dataset_len")):
+            continue
+        data = getattr(obj, "dataset", obj)
+        length = getattr(obj, "dataset_len", None)
+        if length is None:
+            try:
+                length = len(data)
+            except TypeError:  # an iterable dataset without a length
+                length = None
+        version = getattr(data, "version", getattr(data, "fingerprint", None))
+        out[name] = {"length": length, "version": version if isinstance(version, (str, int)) else None}
+    if fingerprint is not None:
+        out[""] = {"fingerprint": fingerprint}
+    return out
+
+
+def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks: Ranks,
+             data_fingerprint: Any = None) -> tuple[dict, dict]:
     """Return (the state dict to save, its metadata): every entry, this rank's RNG states, and
     what restore checks. Raises StateDictError when the ranks' sampler cursors differ."""
     sd, signature, fresh_optims = state_dicts(state)
@@ -103,7 +127,7 @@ def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks
     meta = {"user": user_metadata, "unstepped": sorted(fresh_optims),
             "config": config, "config_hash": config_hash(config),
             "signature": signature, "optimizers": optimizer_signature(state, sd),
-            "entries": sorted(state), "world_size": ranks.world()}
+            "entries": sorted(state), "world_size": ranks.world(), "data": data_identity(state, data_fingerprint)}
     return sd, meta
 
 

@@ -67,7 +67,9 @@ class CheckpointerOptions:
     reference the rest there (spec/FORMAT.md section 4.10); every ``full_every``-th save is full,
     which bounds the chain a restore depends on. ``every`` (an int: steps; "auto": the interval
     ``suggest_interval`` gives from the measured cost and ``mtbf``, the mean seconds between
-    failures, and ``restart_cost``) is what ``maybe_save`` applies.
+    failures, and ``restart_cost``) is what ``maybe_save`` applies. ``data_fingerprint`` (any
+    typed JSON: a digest of the data's file list, a dataset version) is saved, and a restore into
+    a job whose fingerprint differs is refused (as for each data entry's length or version).
     """
 
     retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
@@ -84,6 +86,7 @@ class CheckpointerOptions:
     every: int | str | None = None
     mtbf: float | None = None
     restart_cost: float | None = None
+    data_fingerprint: Any = None
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every != "auto":

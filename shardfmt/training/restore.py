@@ -187,7 +187,8 @@ class _Attempt:
 
 
 def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, archive: Tier | None,
-                        ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool) -> int | None:
+                        ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool,
+                        data: Mapping[str, Any] | None = None) -> int | None:
     """Restore the first candidate of ``choice`` every rank loads; return its step (None: none).
 
     Steps 2) to 4) of the module docstring; every rank calls it with the same ``choice``.
@@ -198,7 +199,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         url = tier.storage.url(path)
         if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
             raise FormatVersionError(_newer_than_restorable(url, step, unsupported))
-        attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch)
+        attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch, data=data)
         dirty = dirty or attempt.partial
         failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
         if failing:
@@ -225,7 +226,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
 
 
 def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, config: Any,
-          allow_mismatch: bool) -> _Attempt:
+          allow_mismatch: bool, data: Mapping[str, Any] | None = None) -> _Attempt:
     """Load this rank's slices of the checkpoint at ``path`` into fresh state dicts of ``state``."""
     sd, signature, fresh_optims = for_restore(state)
     storage = tier.storage
@@ -233,7 +234,7 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
         try:
             manifest = open_checkpoint(path, storage=storage).manifest
             check_compat(path, manifest, config=config, signature=signature,
-                         optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch)
+                         optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch, data=data)
         except BaseException:  # the other ranks may be loading: join them, as a failed rank
             skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
             raise
