@@ -107,3 +107,36 @@ def test_a_rollback_keeps_the_chains_of_what_it_sets_aside_and_the_archive_follo
                             "step_000000004", "step_000000004.rolledback", "step_000000005"]  # saved again
     step, again = _restore(arch)  # the archive as a root: its newest is the new step 5
     assert step == 5 and torch.equal(again.head, torch.full((8, 256), 5.0))
+
+
+def test_a_rollback_that_cannot_set_everything_aside_says_what_it_did(tmp_path, monkeypatch):
+    from shardfmt.commit.rename import RenameCommit
+    from shardfmt.errors import StorageError
+
+    root = tmp_path / "root"
+    with shardfmt.Checkpointer(str(root), keep_last=10) as ck:
+        _train(ck, [1, 2, 3], Model())
+    calls = []
+
+    def flaky(self, path, dest, reason):
+        calls.append(path)
+        if len(calls) == 2:
+            raise StorageError(f"{path}: permission denied")
+        os.rename(path, dest)
+    monkeypatch.setattr(RenameCommit, "roll_back", flaky)
+    with pytest.raises(StorageError, match=r"rolled back to step 1 \(the state holds it\).*step_000000003: "
+                                           r"permission denied; set aside so far: \[.*step_000000002"):
+        shardfmt.Checkpointer(str(root)).restore({"model": Model()}, step=1)
+    assert _names(root) == ["step_000000001", "step_000000002.rolledback", "step_000000003"]
+
+
+def test_after_a_rollback_the_new_saves_of_the_abandoned_steps_are_archived(tmp_path):
+    root, arch = tmp_path / "root", tmp_path / "arch"
+    model = Model()
+    with shardfmt.Checkpointer(str(root), keep_last=10, archive=str(arch), archive_every=10) as ck:
+        _train(ck, [10, 20, 30], model)
+        with pytest.warns(UserWarning, match="rolled back to step 10"):
+            ck.restore({"model": model}, step=10)
+        _train(ck, [20, 30], model)
+    assert [n for n in _names(arch) if "rolledback" not in n] == ["step_000000010", "step_000000020",
+                                                                  "step_000000030"]

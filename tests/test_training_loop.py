@@ -41,18 +41,26 @@ def _step(model, opt, *, micro: int = 1, zero: str = "none"):
 
 def test_a_save_with_pending_gradients_warns_once_naming_them(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model.temperature = torch.nn.Parameter(torch.tensor(1.0))  # a 0-d parameter
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = shardfmt.Checkpointer(str(tmp_path / "root"))
-    _step(model, opt)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # after step() and zero_grad(): nothing pending, no warning
-        ck.save(1, {"model": model, "optim": opt})
-    model(torch.randn(2, 8)).pow(2).mean().backward()  # one micro-step of an accumulation
-    with pytest.warns(UserWarning, match=r"gradients are pending \(model\.0\.weight, model\.0\.bias"):
-        ck.save(2, {"model": model, "optim": opt})
+    ck.restore({"model": model, "optim": opt})  # a first run: the optimizer is watched from here
+    for zero_first in (True, False):  # zero_grad() at the top of the step, or after step()
+        if zero_first:
+            opt.zero_grad()
+        (model(torch.randn(2, 8)) * model.temperature).pow(2).mean().backward()
+        opt.step()
+        if not zero_first:
+            opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the gradients were applied: nothing pending, no warning
+            ck.save(1 + zero_first, {"model": model, "optim": opt})
+    (model(torch.randn(2, 8)) * model.temperature).pow(2).mean().backward()  # one micro-step of an accumulation
+    with pytest.warns(UserWarning, match=r"gradients are pending \(model\.temperature, model\.0\.weight"):
+        ck.save(3, {"model": model, "optim": opt})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ck.save(3, {"model": model, "optim": opt})  # once per Checkpointer
+        ck.save(4, {"model": model, "optim": opt})  # once per Checkpointer
 
 
 def test_a_loop_that_zeroes_gradients_in_place_is_not_warned_between_steps(tmp_path):
@@ -204,3 +212,13 @@ def test_a_resume_over_other_data_is_refused_unless_allowed(tmp_path):
     assert shardfmt.Checkpointer(root, data_fingerprint="files-v1").restore(
         {"sampler": shardfmt.ResumableSampler(100, seed=1)}) == 3
     assert sorted(os.listdir(root)) == ["step_000000003"]  # a mismatch quarantines nothing
+
+
+def test_rewind_jsonl_drops_a_last_line_the_crash_cut_off(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    assert rewind_jsonl(str(path), 5) == []
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        rewind_jsonl(str(path), 1)

@@ -96,6 +96,11 @@ class Archiver:
             with self._lock:
                 self._archiving.discard(path)
 
+    def forget(self) -> None:
+        """List the archive again at the next save (after a rollback set archived steps aside)."""
+        with self._lock:
+            self._last_archived_bucket = None
+
     def busy(self, path: str) -> bool:
         """True while the checkpoint at ``path`` is queued or being copied."""
         with self._lock:

@@ -45,14 +45,15 @@ from typing import Any
 from shardfmt.api import save
 from shardfmt.commit.names import parse_step_dir, step_dir_name
 from shardfmt.commit.protocol import commit_strategy
-from shardfmt.errors import CheckpointNotFoundError, StateDictError
+from shardfmt.errors import CheckpointNotFoundError, StateDictError, StorageError
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import io_stats
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
+from shardfmt.training.drill import drill_root, maybe_die
 from shardfmt.training.entries import data_identity, for_save, materialize
 from shardfmt.training.interval import Interval, SaveCost, Stats, steps_for, suggest
-from shardfmt.training.midstep import mid_step_message, pending_grads
+from shardfmt.training.midstep import GradWatch, mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
 from shardfmt.training.ranks import Ranks
@@ -89,7 +90,7 @@ class Checkpointer:
     def __init__(self, root: str, *, options: CheckpointerOptions | None = None, **keywords: Any) -> None:
         self.options = opts = (options or CheckpointerOptions()).with_keywords(**keywords)
         self.storage_options = opts.effective_storage_options
-        self.storage, self.root = get_storage(root, self.storage_options)
+        self.storage, self.root = get_storage(drill_root(root), self.storage_options)  # ``shardfmt drill``
         self.lease_seconds = self.storage.lease_seconds
         self._ranks = Ranks(opts.process_group, opts.timeout)
         self._tier = Tier(name="root", storage=self.storage, root=self.root, storage_options=self.storage_options)
@@ -102,6 +103,8 @@ class Checkpointer:
         self._saves = PendingSaves()
         self._chain = _Chain()
         self._warned_mid_step = False
+        self._grad_watch = GradWatch()  # optimizer steps: which gradients were applied (``midstep``)
+        self._saves_asked = 0
         self._costs: list[SaveCost] = []
         self._restores: list[float] = []
         self._step_times: list[float] = []  # seconds between maybe_save calls (every="auto")
@@ -130,6 +133,8 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateDictError(f"step must be an int >= 0, got {step!r}")
         self._saves.warn_failed()
+        self._saves_asked += 1
+        maybe_die(self._saves_asked, self._ranks.rank(), self._ranks.world())  # ``shardfmt drill``'s crash
         self._warn_mid_step(state)
         sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks,
                             data_fingerprint=self.options.data_fingerprint)
@@ -222,9 +227,13 @@ class Checkpointer:
 
     def _warn_mid_step(self, state: Mapping[str, Any]) -> None:
         """Warn once if a model holds pending (non-zero) gradients: they are not saved (``midstep``)."""
+        self._grad_watch.watch(state)
         if self._warned_mid_step:
             return
-        names = pending_grads(state)
+        try:
+            names = pending_grads(state, self._grad_watch)
+        except Exception:  # noqa: BLE001 - a diagnostic: it never fails a save (or leaves one rank behind)
+            return
         if names:
             self._warned_mid_step = True
             warnings.warn(mid_step_message(names), stacklevel=3)
@@ -333,6 +342,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()
         self._chain.reset()  # a restore starts a run: its first save is full
+        self._grad_watch.watch(state)
+        self._next_due, self._last_call = None, None  # every="auto": measured again from here
         materialize(state)
         ranks = self._ranks
         choice = None
@@ -363,16 +374,30 @@ class Checkpointer:
         return got
 
     def _set_aside_after(self, step: int) -> None:
-        """A rollback loaded ``step``: rank 0 sets every later checkpoint aside; every rank waits for it."""
+        """A rollback loaded ``step``: rank 0 sets every later checkpoint aside (the archive's first:
+        a failure part-way leaves no root newer than what an archive would bring back); every rank
+        learns the outcome, and all raise the same error if it failed."""
         ranks = self._ranks
+        outcome = None
         if ranks.rank() == 0:
-            tiers = [self._tier] + ([self._archive_tier] if self._archive_tier is not None else [])
-            aside = roll_back_newer(tiers, step)
-            if aside:
-                warnings.warn(f"rolled back to step {step}: set aside (not deleted) the {len(aside)} later "
-                              f"checkpoint(s) {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}", stacklevel=3)
-        if ranks.distributed():
-            ranks.all_gather(None)  # nobody saves before the abandoned future is out of the way
+            tiers = ([self._archive_tier] if self._archive_tier is not None else []) + [self._tier]
+            done: list[str] = []
+            try:
+                roll_back_newer(tiers, step, done)
+                outcome = {"aside": done}
+            except FAILURES as e:
+                outcome = {"aside": done, "error": f"{type(e).__name__}: {e}"}
+            if self._archiver is not None:
+                self._archiver.forget()  # the abandoned steps' archive buckets are free again
+        outcome = ranks.broadcast(outcome)
+        aside = outcome["aside"]
+        if "error" in outcome:
+            raise StorageError(f"rolled back to step {step} (the state holds it), but setting the later checkpoints "
+                               f"aside failed: {outcome['error']}; set aside so far: {aside or 'none'}. Retry "
+                               f"restore(step={step}) before saving, or a later restore may pick them")
+        if aside and ranks.rank() == 0:
+            warnings.warn(f"rolled back to step {step}: set aside (not deleted) the {len(aside)} later "
+                          f"checkpoint(s) {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}", stacklevel=3)
 
 
 def _archive_tier(opts: CheckpointerOptions, root: Tier) -> Tier:

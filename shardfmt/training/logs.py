@@ -20,18 +20,29 @@ import os
 def rewind_jsonl(path: str, step: int, *, key: str = "step") -> list[int]:
     """Drop the records of ``path`` (one JSON object a line) whose ``key`` is above ``step``;
     return the steps dropped, in order. The file is replaced atomically (written aside, fsynced,
-    renamed); records without ``key`` are kept; a missing file is no log to rewind."""
+    renamed); records without ``key`` are kept; a missing file is no log to rewind. A last line
+    cut off mid-record (the job was killed while writing it) is dropped; a line that is not JSON
+    anywhere else is an error naming it."""
     if not os.path.exists(path):
         return []
-    kept, dropped = [], []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line) if line.strip() else None
-            if isinstance(rec, dict) and isinstance(rec.get(key), int) and rec[key] > step:
-                dropped.append(rec[key])
-            elif line.strip():
-                kept.append(line if line.endswith("\n") else line + "\n")
-    if dropped:
+    kept, dropped, torn = [], [], False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                torn = True  # cut off by the crash
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+        if isinstance(rec, dict) and isinstance(rec.get(key), int) and rec[key] > step:
+            dropped.append(rec[key])
+        else:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped or torn:
         tmp = f"{path}.rewind-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)

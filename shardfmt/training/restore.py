@@ -144,12 +144,12 @@ def only_step(choice: dict, step: int, root: Tier) -> dict:
     return {"candidates": mine, "any": True}
 
 
-def roll_back_newer(tiers: list[Tier], step: int) -> list[str]:
+def roll_back_newer(tiers: list[Tier], step: int, done: list[str]) -> list[str]:
     """Rank 0, after a rollback to ``step`` loaded: set aside every checkpoint of a later step in
-    each tier (renamed ``step_X.rolledback-<id>``, or marked ``ROLLED_BACK`` in place on object
-    stores), so that no lister picks the abandoned future; return their URLs."""
+    each tier, in order (renamed ``step_X.rolledback-<id>``, or marked ``ROLLED_BACK`` in place
+    on object stores), so that no lister picks the abandoned future; append each one's URL to
+    ``done`` as it goes (what was set aside when a failure stops it) and return it."""
     tag = uuid.uuid4().hex[:8]
-    done = []
     for tier in tiers:
         strategy = commit_strategy(tier.storage)
         for s, path in step_paths(tier.storage, tier.root):
