@@ -1,4 +1,4 @@
-"""The ``shardfmt`` command: validate, inspect, ls, gc, demo.
+"""The ``shardfmt`` command: validate, inspect, ls, gc, demo, drill.
 
 Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments, an
 unreachable path, a path that names no checkpoint (a Checkpointer root, a Hugging Face folder)
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections import Counter
 
 import orjson
 from tqdm import tqdm
 
+from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from shardfmt.format import refs
@@ -196,6 +198,23 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_drill(args) -> int:
+    command = list(args.command_line)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        return _usage("drill: give the training command after --, e.g. shardfmt drill -- torchrun "
+                      "--nproc_per_node 2 train.py")
+    if args.kill_at_save < 2:
+        return _usage("drill: --kill-at-save must be at least 2 (the job needs a checkpoint to resume from)")
+    try:
+        re.compile(args.pattern)
+    except re.error as e:
+        return _usage(f"drill: --pattern {args.pattern!r}: {e}")
+    return run_drill(command, kill_at_save=args.kill_at_save, pattern=args.pattern, rtol=args.rtol,
+                     atol=args.atol, work=args.dir, timeout=args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardfmt", description="Sharded, pickle-free PyTorch checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -233,6 +252,23 @@ def build_parser() -> argparse.ArgumentParser:
                                  "each run restores the checkpoints it finds there, so a used one is refused")
     d.add_argument("--plot", metavar="FILE.png", help="draw both loss curves (needs matplotlib)")
     d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("drill", help="run YOUR training command uninterrupted, then killed between checkpoints "
+                                     "and restarted, and compare the step lines it prints",
+                       description="Runs COMMAND three times, each with its own checkpoint directory (the job's "
+                                   "Checkpointers keep their checkpoints there): uninterrupted; with its highest "
+                                   "rank SIGKILLed when the job asks for save K; restarted, resuming. Then compares "
+                                   "the numbers on every line that names a step.")
+    r.add_argument("--kill-at-save", type=int, default=2, metavar="K",
+                   help="kill when the job asks for its K-th save, after K-1 are committed (default 2)")
+    r.add_argument("--pattern", default=DEFAULT_PATTERN,
+                   help="regex finding a step's lines, with a group named step (default: 'step <n>')")
+    r.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bit for bit)")
+    r.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    r.add_argument("--dir", help="where the runs' checkpoints and logs go (default: a new temporary directory)")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds each run may take (default 3600)")
+    r.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the training command")
+    r.set_defaults(func=cmd_drill)
     return p
 
 
