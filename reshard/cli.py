@@ -38,6 +38,7 @@ from reshard.parse import human, parse_mesh
 from reshard.stream.memory import DEFAULT_BUDGET
 from shardfmt.cli import stdout_closed
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from shardfmt.training.roots import checkpoint_at
 
 
 def cmd_plan(args) -> int:
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print which saved bytes feed one rank of a new mesh (reads no data)")
     pl.add_argument("src")
+    pl.add_argument("--step", type=int, dest="src_step",
+                    help="SRC is a Checkpointer root: use its checkpoint of this step")
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
     pl.add_argument("--rank", type=int, required=True)
     pl.add_argument("--no-verify", action="store_true", help="plan without rounding reads to hash chunks")
@@ -276,6 +279,8 @@ def _add_convert(sub) -> None:
                                     "the slices it holds (replicated slices written once, balanced across ranks), "
                                     "streaming in bounded memory; the result is validated before it is committed.")
     cv.add_argument("src")
+    cv.add_argument("--step", type=int, dest="src_step",
+                    help="SRC is a Checkpointer root: use its checkpoint of this step")
     cv.add_argument("dst")
     cv.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=1,dp=2,tp=4")
     cv.add_argument("--rules", metavar="FILE", help="JSON placement rules (regex on FQN -> placement); see README")
@@ -293,6 +298,8 @@ def _add_export_hf(sub) -> None:
                                     "shards, model.safetensors.index.json when there are several, config.json from "
                                     "the checkpoint's metadata['hf_config'] or --config.")
     ex.add_argument("src")
+    ex.add_argument("--step", type=int, dest="src_step",
+                    help="SRC is a Checkpointer root: use its checkpoint of this step")
     ex.add_argument("dst")
     ex.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                     help="largest file (default 5GB = 5*10^9)")
@@ -322,6 +329,8 @@ def _add_import_hf(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "src_step", None) is not None:  # SRC is a Checkpointer root: its checkpoint of that step
+            args.src = checkpoint_at(args.src, args.src_step, _opts(args))
         rc = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled
         return rc

@@ -21,10 +21,10 @@ from tqdm import tqdm
 from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from shardfmt.format import refs
+from shardfmt.format import jsonvalue, refs
 from shardfmt.io.registry import get_storage, parse_storage_options
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.training.roots import collect_garbage, list_checkpoints, require_root
+from shardfmt.training.roots import checkpoint_at, collect_garbage, list_checkpoints, require_root
 from shardfmt.validation import validate
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
@@ -92,7 +92,8 @@ def cmd_validate(args) -> int:
         bar = tqdm(desc="validate", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True,
                    leave=False)
     try:
-        report = validate(args.path, deep=args.deep, storage_options=_storage_options(args),
+        report = validate(checkpoint_at(args.path, args.step, _storage_options(args)), deep=args.deep,
+                          storage_options=_storage_options(args),
                           progress=None if bar is None else bar.update)
     finally:
         if bar is not None:
@@ -130,11 +131,23 @@ def inspect_summary(manifest) -> dict:
         "total_bytes": sum(f.size for f in manifest.files.values()),
         "own_bytes": sum(f.size for name, f in manifest.files.items() if refs.split(name)[0] is None),
         "chain": None if chain is None else {"bases": dict(sorted(chain.bases.items())), "depth": chain.depth},
+        "save_costs": _save_costs(manifest),
     }
 
 
+def _save_costs(manifest) -> dict | None:
+    """A Checkpointer save's record of what its run's earlier saves cost (None: none)."""
+    try:
+        meta = jsonvalue.decode(manifest.metadata, where="metadata")
+    except ShardfmtError:
+        return None
+    costs = meta.get("save_costs") if isinstance(meta, dict) else None
+    return costs if isinstance(costs, dict) and isinstance(costs.get("last"), dict) else None
+
+
 def cmd_inspect(args) -> int:
-    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
+    ckpt = open_checkpoint(checkpoint_at(args.path, args.step, _storage_options(args)),
+                           storage_options=_storage_options(args))
     info = inspect_summary(ckpt.manifest)
     if args.json:
         _print_json(info)
@@ -150,6 +163,12 @@ def cmd_inspect(args) -> int:
     print("bytes per dtype")
     for k, v in info["bytes_per_dtype"].items():
         print(f"  {k:<12} {_human(v):>12}")
+    costs = info.get("save_costs")
+    if costs:
+        last = costs["last"]
+        print(f"save costs  this run's {costs['saves']} earlier save(s): the loop waited {costs['blocked_s']:.3f} s, "
+              f"{costs['total_s']:.3f} s to the commit (medians); the last (step {last['step']}): "
+              f"{last['blocked_s']:.3f} s / {last['total_s']:.3f} s, {_human(last['bytes'])} from rank 0")
     if info["chain"] is not None:
         print(f"incremental depth {info['chain']['depth']}, bases {', '.join(info['chain']['bases'])}; "
               f"{_human(info['own_bytes'])} of its files are its own, the rest its bases'")
@@ -225,12 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a checkpoint (exit 0 valid, 1 invalid, 2 unusable)")
     v.add_argument("path")
+    v.add_argument("--step", type=int, help="PATH is a Checkpointer root: check its checkpoint of this step")
     v.add_argument("--deep", action="store_true", help="re-hash every chunk of every file")
     add_common(v)
     v.set_defaults(func=cmd_validate)
 
     i = sub.add_parser("inspect", help="step, topology, tensors, bytes per dtype, files")
     i.add_argument("path")
+    i.add_argument("--step", type=int, help="PATH is a Checkpointer root: show its checkpoint of this step")
     add_common(i)
     i.set_defaults(func=cmd_inspect)
 

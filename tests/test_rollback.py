@@ -140,3 +140,21 @@ def test_after_a_rollback_the_new_saves_of_the_abandoned_steps_are_archived(tmp_
         _train(ck, [20, 30], model)
     assert [n for n in _names(arch) if "rolledback" not in n] == ["step_000000010", "step_000000020",
                                                                   "step_000000030"]
+
+
+def test_step_chooses_a_checkpoint_of_a_root_in_the_clis(tmp_path, capsys):
+    from reshard.cli import main as reshard_main
+    from shardfmt.cli import main as shardfmt_main
+
+    root = tmp_path / "root"
+    with shardfmt.Checkpointer(str(root), keep_last=10) as ck:
+        _train(ck, [1, 2, 3], Model())
+    with pytest.warns(UserWarning, match="rolled back"):
+        shardfmt.Checkpointer(str(root)).restore({"model": Model()}, step=2)
+    assert shardfmt_main(["inspect", str(root), "--step", "2", "--json"]) == 0
+    assert '"step": 2' in capsys.readouterr().out.replace('"step":2', '"step": 2')
+    assert shardfmt_main(["validate", str(root), "--step", "1"]) == 0
+    capsys.readouterr()
+    assert shardfmt_main(["validate", str(root), "--step", "3"]) == 2  # rolled back: not a committed step
+    assert "no committed checkpoint of step 3 (committed steps: 1, 2)" in capsys.readouterr().err
+    assert reshard_main(["export-hf", str(root), str(tmp_path / "hf"), "--step", "2", "--no-progress"]) == 0

@@ -222,3 +222,17 @@ def test_rewind_jsonl_drops_a_last_line_the_crash_cut_off(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         rewind_jsonl(str(path), 1)
+
+
+def test_inspect_shows_what_the_runs_earlier_saves_cost(tmp_path, capsys):
+    from shardfmt.cli import main as shardfmt_main
+
+    ck = shardfmt.Checkpointer(str(tmp_path / "root"))
+    m = torch.nn.Linear(64, 64)
+    ck.save(1, {"model": m})
+    ck.save(2, {"model": m})
+    assert shardfmt_main(["inspect", str(tmp_path / "root"), "--step", "2", "--json"]) == 0
+    costs = json.loads(capsys.readouterr().out)["save_costs"]
+    assert costs["saves"] == 1 and costs["last"]["step"] == 1 and costs["last"]["bytes"] >= 64 * 64 * 4
+    assert shardfmt_main(["inspect", str(tmp_path / "root"), "--step", "2"]) == 0
+    assert "save costs  this run's 1 earlier save(s)" in capsys.readouterr().out

@@ -138,6 +138,12 @@ class Checkpointer:
         self._warn_mid_step(state)
         sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks,
                             data_fingerprint=self.options.data_fingerprint)
+        st = self.stats  # this run's saves before this one (this one's own end is not known yet)
+        if st.saves:
+            last = st.saves[-1]
+            meta["save_costs"] = {"saves": len(st.saves), "blocked_s": st.blocked, "total_s": st.total,
+                                  "last": {"step": last.step, "blocked_s": last.blocked, "total_s": last.total,
+                                           "bytes": last.bytes}}
         path = self._step_dir(step)
         url = self.storage.url(path)
         opts = self.options

@@ -162,6 +162,24 @@ def list_checkpoints(root: str, storage_options: dict | None = None) -> list[dic
     return out
 
 
+def checkpoint_at(path: str, step: int | None, storage_options: dict | None = None) -> str:
+    """``path`` itself (``step`` None), or the committed checkpoint of ``step`` in the Checkpointer
+    root ``path`` (a ``--step`` option): an error naming the committed steps there when there is
+    none (a rolled-back or quarantined one is not committed)."""
+    if step is None:
+        return path
+    storage, root = get_storage(path, storage_options)
+    require_root(storage, root)
+    infos = list_steps(storage, root)
+    for i in infos:
+        if i.step == step and i.status == "committed":
+            return storage.url(i.path)
+    have = [i.step for i in infos if i.status == "committed"]
+    listed = ", ".join(map(str, have[-8:])) + (f" ({len(have)} in all)" if len(have) > 8 else "") if have else "none"
+    raise CheckpointNotFoundError(f"{storage.url(root)}: no committed checkpoint of step {step} (committed steps: "
+                                  f"{listed})")
+
+
 def step_paths(storage: Storage, root: str) -> list[tuple[int, str]]:
     """Every ``step_*`` under ``root``, oldest first, as (step, path): one listing, nothing opened."""
     if not storage.exists(root):
