@@ -236,3 +236,54 @@ def test_inspect_shows_what_the_runs_earlier_saves_cost(tmp_path, capsys):
     assert costs["saves"] == 1 and costs["last"]["step"] == 1 and costs["last"]["bytes"] >= 64 * 64 * 4
     assert shardfmt_main(["inspect", str(tmp_path / "root"), "--step", "2"]) == 0
     assert "save costs  this run's 1 earlier save(s)" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- post-restore sanity (item 6)
+
+
+def test_a_restore_whose_loaded_values_do_not_match_the_saved_statistics_fails_loudly(tmp_path, monkeypatch):
+    """A load that puts intact bytes in the wrong place or the wrong form (a loader bug: the
+    digests all pass) is caught by the sums saved with the tensors; nothing is quarantined."""
+    from shardfmt.errors import IntegrityError
+    from shardfmt.training import restore as restore_mod
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    root = str(tmp_path / "root")
+    shardfmt.Checkpointer(root).save(1, {"model": model})
+    m = shardfmt.read_manifest(root + "/step_000000001")
+    assert set(m.extensions["tensor_stats"].value) == {"model.0.weight", "model.0.bias", "model.1.weight",
+                                                       "model.1.bias"}
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 1  # the honest load passes
+    real = restore_mod.load
+    for bug in ("transpose", "other tensor", "half precision scale"):
+        def buggy(sd, *a, bug=bug, **k):
+            rep = real(sd, *a, **k)
+            w = sd["model"]["0.weight"]
+            with torch.no_grad():
+                if bug == "transpose":
+                    w.copy_(w.t().clone())
+                elif bug == "other tensor":
+                    w.copy_(sd["model"]["1.weight"])
+                else:
+                    w.mul_(0.5)
+            return rep
+        monkeypatch.setattr(restore_mod, "load", buggy)
+        with pytest.raises(IntegrityError, match=r"do not match the statistics saved.*model\.0\.weight"):
+            shardfmt.Checkpointer(root).restore({"model": torch.nn.Sequential(torch.nn.Linear(64, 64),
+                                                                               torch.nn.Linear(64, 64))})
+    assert os.listdir(root) == ["step_000000001"]  # nothing quarantined
+
+
+def test_box_statistics_add_up_across_any_partition_and_see_moved_rows():
+    from shardfmt.saving.stats import box_stats, close
+
+    t = torch.randn(512, 300) * 2 + 0.5
+    whole = box_stats(t, (0, 0))
+    parts = [box_stats(t[i:i + 37, j:j + 100], (i, j)) for i in range(0, 512, 37) for j in range(0, 300, 100)]
+    assert close(whole, [sum(p[k] for p in parts) for k in range(3)], t.numel())
+    moved = t.clone()
+    moved[[3, 4]] = moved[[4, 3]]
+    assert not close(whole, box_stats(moved, (0, 0)), t.numel())
+    assert close(whole, box_stats(t.bfloat16(), (0, 0)), t.numel())  # a rounding cast is a precision choice

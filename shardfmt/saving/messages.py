@@ -42,6 +42,8 @@ from shardfmt.format.parse import (
 from shardfmt.format.parse_v2 import parse_rank_entry
 from shardfmt.format.refs import Chain, check_base, parse_chain, split
 from shardfmt.layout.geometry import Box
+from shardfmt.saving.stats import as_extension_value as stats_value
+from shardfmt.saving.stats import from_extension_value as stats_from
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
 WriteKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (fqn, offsets, lengths)
@@ -262,11 +264,13 @@ class Written:
     index: RankEntry | None = None
     names: tuple[str, ...] = ()
     chain: Chain | None = None  # an incremental save: the bases this rank's index references
+    stats: Mapping[str, Any] = field(default_factory=dict)  # per tensor: the statistics of the boxes it wrote
 
     def to_json(self) -> dict:
         return {"file": None if self.file is None else self.file.to_json(),
                 "index": None if self.index is None else self.index.to_json(), "names": list(self.names),
-                "chain": None if self.chain is None else self.chain.to_extension().value}
+                "chain": None if self.chain is None else self.chain.to_extension().value,
+                "stats": stats_value(self.stats)}
 
     @classmethod
     def decoder(cls, tensors: Mapping[str, TensorRecord]):
@@ -275,7 +279,8 @@ class Written:
             return cls(file=None if f is None else WrittenFile.from_json(f, rank=rank, tensors=tensors),
                        index=None if i is None else parse_rank_entry(i, rank=rank, where=_where(rank, "index")),
                        names=tuple(_indexed_name(n, _where(rank, "names")) for n in o["names"]),
-                       chain=None if o["chain"] is None else parse_chain(o["chain"], _where(rank, "chain")))
+                       chain=None if o["chain"] is None else parse_chain(o["chain"], _where(rank, "chain")),
+                       stats=stats_from(o.get("stats")))
         return decode
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import xxhash
@@ -86,9 +87,13 @@ from shardfmt.saving.shard_file import (
     file_order,
     write_shard_file,
 )
+from shardfmt.saving.stats import add, box_stats
 from shardfmt.saving.writer import CheckpointWriter
 
 Snapshot = Callable[[], Prepared]
+# One thread computes every save's statistics (``_Run._stats_of``): one for the process, so its
+# allocations reuse one malloc arena instead of a new thread's each save.
+_STATS_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-stats")
 
 
 def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: SaveOptions,
@@ -283,6 +288,7 @@ class _Run:
             if self.snapshot is not None:
                 self.prepared = self.snapshot()
             items = my_items(state, self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
+            stats = self._stats_of(items)  # of every box this rank writes or takes: beside the writing
             items, taken, chain = self._take_from_base(items)
             file = None
             if items:
@@ -294,6 +300,8 @@ class _Run:
             # A snapshot counts only whole: pieces other ranks write must have been copied here too.
             self.prepared.wait_ready()
             msg: Written | RankError = self._written(file, state, taken, chain)
+            if stats is not None and isinstance(msg, Written):
+                msg = dataclasses.replace(msg, stats=stats.result())
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
         results = gather(msg, decode, "gathering write results")
@@ -303,6 +311,21 @@ class _Run:
                                           "gathering write results").errors
         self.coord.raise_failures(failed, "writing shard files")
         return results
+
+    def _stats_of(self, items: list[WriteItem]):
+        """v2: a future of the per-tensor statistics of ``items`` (``saving.stats``), computed in a
+        thread of its own while the file is written (torch lets go of the GIL)."""
+        if self.options.format_version < 2 or not items:
+            return None
+
+        def compute() -> dict[str, list[float]]:
+            out: dict[str, list[float]] = {}
+            for it in items:
+                if it.ready is not None:
+                    it.ready()
+                add(out, it.fqn, box_stats(it.data, it.box.offsets))
+            return out
+        return _STATS_POOL.submit(compute)
 
     def _take_from_base(self, items: list[WriteItem]) -> tuple[list[WriteItem], dict[str, IndexedFile], Chain | None]:
         """An incremental save: the items still to write, the base's files holding the others, the chain."""
@@ -393,6 +416,8 @@ def commit_v2(writer: CheckpointWriter, plan: PlacedPlan, summaries: list[Summar
             writer.add_rank_entry(rank, w.index, files=w.names)
         if w.chain is not None:
             writer.add_chain(w.chain)
+        if w.stats:
+            writer.add_stats(w.stats)
     _add_records(writer, summaries)
     return writer.commit(step=step, metadata=metadata, topology=topology)
 

@@ -34,6 +34,7 @@ from shardfmt.format.index import RankEntry, rank_table
 from shardfmt.format.manifest import (
     BASES_NAME,
     INDEX_DIR,
+    Extension,
     FileRecord,
     ListedShard,
     Manifest,
@@ -65,6 +66,8 @@ from shardfmt.saving.shard_file import (
     file_order,
     write_shard_file,
 )
+from shardfmt.saving.stats import EXTENSION as STATS_EXTENSION
+from shardfmt.saving.stats import add, as_extension_value
 
 
 def default_writer_versions() -> dict[str, str]:
@@ -167,6 +170,7 @@ class CheckpointWriter:
         self._checks: dict[str, PlacedCheck] = {}  # v2: placed tensors checked file by file
         self._chain: refs.Chain | None = None  # v2: an incremental save's bases (spec section 4.10)
         self._base = opts.base
+        self._stats: dict[str, list[float]] = {}  # v2: per-tensor statistics, summed over the ranks
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -321,6 +325,11 @@ class CheckpointWriter:
         self._rank_entries[rank] = entry
         self._external_files.update(files)
 
+    def add_stats(self, stats: Mapping[str, Sequence[float]]) -> None:
+        """v2: add a rank's per-tensor statistics (``saving.stats``): the root records the sums."""
+        for fqn, vals in stats.items():
+            add(self._stats, fqn, vals)
+
     def add_chain(self, chain: refs.Chain) -> None:
         """v2: record bases a rank's index references (an incremental save): the union is kept.
         A chain past the format's limits (section 4.10) is refused: no reader could open it."""
@@ -427,8 +436,16 @@ class CheckpointWriter:
             writer=self._writer_versions, chunk_size=self.chunk_size,
             metadata=jsonvalue.encode(metadata, where="metadata"), topology=topology,
             tensors=self._links(tensors), storages=storages, values=values, ranks=self._stage_rank_table(topology),
-            extensions={} if self._chain is None else {refs.EXTENSION: self._chain.to_extension()},
+            extensions=self._extensions(),
         )
+
+    def _extensions(self) -> dict[str, Extension]:
+        out = {}
+        if self._chain is not None:
+            out[refs.EXTENSION] = self._chain.to_extension()
+        if self._stats:  # a statistic: readers that do not know it ignore it (spec section 9)
+            out[STATS_EXTENSION] = Extension(required=False, value=as_extension_value(self._stats))
+        return out
 
     def _stage_rank_table(self, topology: Topology) -> tuple[RankPart, ...]:
         """Write this process's rank indexes, then the rank table's parts; return the parts."""

@@ -44,6 +44,15 @@ class Ranks:
         g = control_group(self.process_group, self.timeout)
         return orjson.loads(broadcast_bytes(orjson.dumps(obj) if self.rank() == 0 else None, 0, g))
 
+    def all_reduce_sum(self, vector: torch.Tensor) -> torch.Tensor:
+        """Every rank's float64 ``vector`` summed, on every rank (a gloo all-reduce of the control group)."""
+        if not self.distributed():
+            return vector
+        g = control_group(self.process_group, self.timeout)
+        out = vector.to(torch.float64).clone()
+        torch.distributed.all_reduce(out, group=g)
+        return out
+
     def all_gather(self, obj: Any) -> list[Any]:
         """Return every rank's ``obj``, in rank order."""
         if not self.distributed():

@@ -34,6 +34,7 @@ from shardfmt.errors import (
     CheckpointNotFoundError,
     CompatibilityError,
     FormatVersionError,
+    IntegrityError,
     ShardfmtError,
     StateDictError,
     StorageError,
@@ -51,6 +52,7 @@ from shardfmt.training.roots import (
     root_parent,
     step_paths,
 )
+from shardfmt.training.sanity import mismatches
 
 FAILURES = (ShardfmtError, OSError)
 _ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
@@ -207,6 +209,10 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
             dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
             _give_up(tier, path, failing, ranks)
             continue
+        bad = mismatches(attempt.sd, attempt.manifest, ranks)  # every rank, after every rank loaded
+        if bad:
+            raise IntegrityError(f"restoring {url}: the loaded values do not match the statistics saved with them "
+                                 f"(a wrong cast or a wrong target; nothing was quarantined): " + "; ".join(bad[:3]))
         if tier.name == "archive":
             warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)
