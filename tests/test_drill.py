@@ -26,6 +26,8 @@ def test_step_lines_and_compare_take_the_restarts_lines_for_the_steps_it_redid()
     assert compare(a, killed, restarted, rtol=0, atol=0) == (2, [])
     assert compare(a, killed, step_lines("step 3 loss 1.0000001\n", rx), rtol=0, atol=0)[1]
     assert compare(a, killed, step_lines("step 3 loss 1.0000001\n", rx), rtol=1e-6, atol=0)[1] == []
+    # shardfmt's own log lines name steps too ("restored step 2 in 0.1 s"): never the job's
+    assert step_lines("INFO shardfmt: restored step 2 in 0.103 s\nstep 3 loss 1.0\n", rx) == {3: [(1.0,)]}
 
 
 def _drill(tmp_path, *extra):

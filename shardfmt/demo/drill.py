@@ -50,6 +50,8 @@ def step_lines(text: str, pattern: re.Pattern) -> dict[int, list[tuple[float, ..
     """Step -> the numbers of every line naming it (the step itself left out), in order."""
     out: dict[int, list[tuple[float, ...]]] = {}
     for line in text.splitlines():
+        if "shardfmt:" in line or "shardfmt drill:" in line:
+            continue  # shardfmt's own log lines (a restore's or a save's timings), not the job's
         m = pattern.search(line)
         if m is None:
             continue
@@ -114,6 +116,10 @@ def run_drill(command: list[str], *, kill_at_save: int = 2, pattern: str = DEFAU
               f"restarted B exit {rc_b}); see the logs in {work}")
         return 1
     a, b1, b2 = step_lines(out_a, rx), step_lines(out_k, rx), step_lines(out_b, rx)
+    if b2 and b1 and min(b2) == min(a):
+        print(f"drill: the restarted run B started from its first step, not from a checkpoint: nothing was "
+              f"resumed (does the job call Checkpointer.restore? see {work}/B.restarted.log)")
+        return 1
     if not a:
         print(f"drill: run A printed no line matching {pattern!r}: nothing to compare (see {work}/A.log)")
         return 1

@@ -195,7 +195,7 @@ def per_rank_tensors(value: Any, template: Any, *, _depth: int = 0) -> Any:
     if _depth > 200:
         return value
     if isinstance(template, torch.Tensor) and isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value).copy()).to(template.dtype)
+        return torch.from_numpy(np.array(value, copy=True)).to(dtype=template.dtype, device=template.device)
     if isinstance(template, dict) and isinstance(value, dict):
         return {k: per_rank_tensors(v, template.get(k), _depth=_depth + 1) for k, v in value.items()}
     if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):

@@ -264,13 +264,13 @@ class Written:
     index: RankEntry | None = None
     names: tuple[str, ...] = ()
     chain: Chain | None = None  # an incremental save: the bases this rank's index references
-    stats: Mapping[str, Any] = field(default_factory=dict)  # per tensor: the statistics of the boxes it wrote
+    stats: Mapping[str, Any] | None = field(default_factory=dict)  # per tensor, of its boxes (None: failed)
 
     def to_json(self) -> dict:
         return {"file": None if self.file is None else self.file.to_json(),
                 "index": None if self.index is None else self.index.to_json(), "names": list(self.names),
                 "chain": None if self.chain is None else self.chain.to_extension().value,
-                "stats": stats_value(self.stats)}
+                "stats": None if self.stats is None else stats_value(self.stats)}
 
     @classmethod
     def decoder(cls, tensors: Mapping[str, TensorRecord]):
@@ -280,7 +280,7 @@ class Written:
                        index=None if i is None else parse_rank_entry(i, rank=rank, where=_where(rank, "index")),
                        names=tuple(_indexed_name(n, _where(rank, "names")) for n in o["names"]),
                        chain=None if o["chain"] is None else parse_chain(o["chain"], _where(rank, "chain")),
-                       stats=stats_from(o.get("stats")))
+                       stats=None if o.get("stats", {}) is None else stats_from(o.get("stats")))
         return decode
 
 

@@ -30,6 +30,7 @@ timeout rather than as a hang.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -91,6 +92,7 @@ from shardfmt.saving.stats import add, box_stats
 from shardfmt.saving.writer import CheckpointWriter
 
 Snapshot = Callable[[], Prepared]
+log = logging.getLogger("shardfmt")
 # One thread computes every save's statistics (``_Run._stats_of``): one for the process, so its
 # allocations reuse one malloc arena instead of a new thread's each save.
 _STATS_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-stats")
@@ -301,7 +303,7 @@ class _Run:
             self.prepared.wait_ready()
             msg: Written | RankError = self._written(file, state, taken, chain)
             if stats is not None and isinstance(msg, Written):
-                msg = dataclasses.replace(msg, stats=stats.result())
+                msg = dataclasses.replace(msg, stats=_stats_or_none(stats))
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
         results = gather(msg, decode, "gathering write results")
@@ -365,6 +367,16 @@ class _Run:
         return outcome.manifest
 
 
+def _stats_or_none(stats) -> dict | None:
+    """The statistics, or None when computing them failed (the save then records none, on any
+    rank: a partial sum would fail the restore's check): a check, never a reason a save fails."""
+    try:
+        return stats.result()
+    except Exception as e:  # noqa: BLE001 - any failure of the diagnostic
+        log.warning("shardfmt: this save records no tensor statistics (computing them failed: %s)", e)
+        return None
+
+
 def _without_flat(state: RankState) -> RankState:
     """Format v1 has no flat placement entry: such tensors are stored by their boxes alone."""
     if not any(t.placement is not None and any(p[0] == "flat" for p in t.placement.placements) for t in state.tensors):
@@ -416,7 +428,9 @@ def commit_v2(writer: CheckpointWriter, plan: PlacedPlan, summaries: list[Summar
             writer.add_rank_entry(rank, w.index, files=w.names)
         if w.chain is not None:
             writer.add_chain(w.chain)
-        if w.stats:
+        if w.stats is None:
+            writer.drop_stats()  # a rank could not compute its part: no total would be right
+        elif w.stats:
             writer.add_stats(w.stats)
     _add_records(writer, summaries)
     return writer.commit(step=step, metadata=metadata, topology=topology)

@@ -170,7 +170,7 @@ class CheckpointWriter:
         self._checks: dict[str, PlacedCheck] = {}  # v2: placed tensors checked file by file
         self._chain: refs.Chain | None = None  # v2: an incremental save's bases (spec section 4.10)
         self._base = opts.base
-        self._stats: dict[str, list[float]] = {}  # v2: per-tensor statistics, summed over the ranks
+        self._stats: dict[str, list[float]] | None = {}  # v2: per-tensor statistics, summed over the ranks
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -327,8 +327,14 @@ class CheckpointWriter:
 
     def add_stats(self, stats: Mapping[str, Sequence[float]]) -> None:
         """v2: add a rank's per-tensor statistics (``saving.stats``): the root records the sums."""
+        if self._stats is None:
+            return
         for fqn, vals in stats.items():
             add(self._stats, fqn, vals)
+
+    def drop_stats(self) -> None:
+        """v2: record no statistics (a rank could not compute its part)."""
+        self._stats = None
 
     def add_chain(self, chain: refs.Chain) -> None:
         """v2: record bases a rank's index references (an incremental save): the union is kept.

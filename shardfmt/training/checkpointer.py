@@ -35,6 +35,7 @@ The knobs and their defaults live in ``options.CheckpointerOptions``; this class
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
@@ -50,7 +51,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.io.store import io_stats
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
-from shardfmt.training.drill import drill_root, maybe_die
+from shardfmt.training.drill import die, drill_archive, drill_root, kill_due
 from shardfmt.training.entries import data_identity, for_save, materialize
 from shardfmt.training.interval import Interval, SaveCost, Stats, steps_for, suggest
 from shardfmt.training.midstep import GradWatch, mid_step_message, pending_grads
@@ -88,7 +89,11 @@ class Checkpointer:
     """
 
     def __init__(self, root: str, *, options: CheckpointerOptions | None = None, **keywords: Any) -> None:
-        self.options = opts = (options or CheckpointerOptions()).with_keywords(**keywords)
+        opts = (options or CheckpointerOptions()).with_keywords(**keywords)
+        if opts.archive.url and drill_archive(opts.archive.url) != opts.archive.url:  # ``shardfmt drill``
+            opts = dataclasses.replace(opts, archive=dataclasses.replace(opts.archive, url=drill_archive(opts.archive.url),
+                                                                         storage_options=None))
+        self.options = opts
         self.storage_options = opts.effective_storage_options
         self.storage, self.root = get_storage(drill_root(root), self.storage_options)  # ``shardfmt drill``
         self.lease_seconds = self.storage.lease_seconds
@@ -134,7 +139,9 @@ class Checkpointer:
             raise StateDictError(f"step must be an int >= 0, got {step!r}")
         self._saves.warn_failed()
         self._saves_asked += 1
-        maybe_die(self._saves_asked, self._ranks.rank(), self._ranks.world())  # ``shardfmt drill``'s crash
+        if kill_due(self._saves_asked, self._ranks.rank(), self._ranks.world()):  # ``shardfmt drill``'s crash:
+            self._saves.wait()  # after the earlier saves committed (async ones too), before this one
+            die(self._saves_asked, self._ranks.rank())
         self._warn_mid_step(state)
         sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks,
                             data_fingerprint=self.options.data_fingerprint)

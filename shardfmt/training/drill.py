@@ -30,12 +30,25 @@ def drill_root(root: str) -> str:
     return os.path.join(where, name)
 
 
-def maybe_die(saves_asked: int, rank: int, world: int) -> None:
-    """The drill's crash: the highest rank dies, without a word, when the job asks for save ``K``."""
+def drill_archive(url: str | None) -> str | None:
+    """Where a Checkpointer's archive goes in a drill: under the drill's directory too (never the
+    job's real archive, which a drill run would otherwise copy into and restore from)."""
+    where = os.environ.get(DIR_ENV)
+    if not where or not url:
+        return url
+    return os.path.join(where, "archive-" + (url.rstrip("/").rpartition("/")[2] or "archive"))
+
+
+def kill_due(saves_asked: int, rank: int, world: int) -> bool:
+    """Whether this rank is the one the drill kills, now (the job asks for save ``K``)."""
     want = os.environ.get(KILL_ENV)
-    if want and saves_asked == int(want) and rank == world - 1:
-        print(f"shardfmt drill: rank {rank} SIGKILLs itself at save {saves_asked}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+    return bool(want) and saves_asked == int(want) and rank == world - 1
 
 
-__all__ = ["DIR_ENV", "KILL_ENV", "drill_root", "maybe_die"]
+def die(saves_asked: int, rank: int) -> None:
+    """The drill's crash: SIGKILL, without a word to the other ranks."""
+    print(f"shardfmt drill: rank {rank} SIGKILLs itself at save {saves_asked}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+__all__ = ["DIR_ENV", "KILL_ENV", "die", "drill_archive", "drill_root", "kill_due"]

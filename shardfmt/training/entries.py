@@ -106,6 +106,8 @@ def data_identity(state: Mapping[str, Any], fingerprint: Any = None) -> dict:
             except TypeError:  # an iterable dataset without a length
                 length = None
         version = getattr(data, "version", getattr(data, "fingerprint", None))
+        if is_per_rank_state(obj):  # each rank's own data: the saved identity is rank 0's, so no length
+            length = None
         out[name] = {"length": length, "version": version if isinstance(version, (str, int)) else None}
     if fingerprint is not None:
         out[""] = {"fingerprint": fingerprint}

@@ -31,7 +31,9 @@ class GradWatch:
     """Per parameter, the gradient its optimizer's last ``step()`` applied: (tensor id, version)."""
 
     def __init__(self) -> None:
-        self._applied: dict[int, tuple[int, int]] = {}
+        # id(param) -> (a weak reference to the gradient the step applied, its version then): a
+        # weak reference, not an id, since a new gradient may be allocated where a freed one was
+        self._applied: dict[int, tuple[weakref.ref, int]] = {}
         self._hooked: weakref.WeakSet = weakref.WeakSet()
 
     def watch(self, state: Mapping[str, Any]) -> None:
@@ -45,7 +47,7 @@ class GradWatch:
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    self._applied[id(p)] = (id(g), g._version)
+                    self._applied[id(p)] = (weakref.ref(g), g._version)
 
     def pending(self, p: torch.Tensor) -> bool | None:
         """Whether ``p``'s gradient came after its optimizer's last step (None: no step seen yet)."""
@@ -53,7 +55,7 @@ class GradWatch:
         if seen is None:
             return None
         g = p.grad
-        return g is not None and seen != (id(g), g._version)
+        return g is not None and (seen[0]() is not g or seen[1] != g._version)
 
 
 def pending_grads(state: Mapping[str, Any], watch: GradWatch | None = None, *, limit: int = 3) -> list[str]:
