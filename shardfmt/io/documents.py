@@ -171,6 +171,7 @@ def read_header(storage: Storage, path: str, name: str, rec: IndexedFile | FileR
     """Read exactly ``rec.header_size`` bytes of ``name``: its size on storage must be
     ``rec.size``; with ``verify`` the bytes must hash to ``rec.header_digest`` and the length
     prefix give ``header_size`` (spec section 11, items 14-16)."""
+    says = "its index says" if isinstance(rec, IndexedFile) else "manifest says"  # v2 / v1: what records it
     full, within = refs.location(storage.join, path, name)
     try:
         reader = storage.open_reader(full, size=rec.size if storage.remote else None, within=within)
@@ -178,7 +179,7 @@ def read_header(storage: Storage, path: str, name: str, rec: IndexedFile | FileR
         raise IntegrityError(refs.missing_file(name)) from None
     try:
         if reader.size != rec.size:
-            raise IntegrityError(f"{name}: file is {reader.size} bytes, its index says {rec.size}")
+            raise IntegrityError(f"{name}: file is {reader.size} bytes, {says} {rec.size}")
         buf = bytearray(rec.header_size)
         reader.readinto(0, [memoryview(buf)])
     finally:
@@ -187,9 +188,10 @@ def read_header(storage: Storage, path: str, name: str, rec: IndexedFile | FileR
         got = hashing.digest_bytes(buf)
         if got != rec.header_digest:
             raise IntegrityError(f"{name}: header (bytes [0, {rec.header_size})) hashes to {got}, "
-                                 f"its index says {rec.header_digest}")
+                                 f"{says} {rec.header_digest}")
     if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != rec.header_size:
-        raise HeaderError(f"{name}: header length disagrees with the index's header_size {rec.header_size}")
+        raise HeaderError(f"{name}: header length disagrees with the header_size {rec.header_size} "
+                          f"{'its index' if isinstance(rec, IndexedFile) else 'the manifest'} records")
     return decode_header(bytes(buf), source=name, file_size=rec.size)
 
 

@@ -33,7 +33,8 @@ from shardfmt.format.manifest import (
     ShardRecord,
 )
 from shardfmt.format.parse import parse_commit, parse_manifest
-from shardfmt.format.safetensors import PREFIX_BYTES, decode_header, decode_origins, header_length
+from shardfmt.format.safetensors import decode_origins
+from shardfmt.io.documents import read_header
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.loading.resolve import expand
@@ -170,25 +171,7 @@ def check_headers(storage: Storage, path: str, manifest: Manifest,
 def _check_file_header(storage: Storage, path: str, manifest: Manifest, name: str,
                        shards: list[tuple[str, ShardRecord]]) -> None:
     frec = manifest.files[name]
-    full, within = refs.location(storage.join, path, name)
-    try:
-        reader = storage.open_reader(full, size=frec.size if storage.remote else None, within=within)
-    except CheckpointNotFoundError:
-        raise IntegrityError(refs.missing_file(name)) from None
-    try:
-        if reader.size != frec.size:
-            raise IntegrityError(f"{name}: file is {reader.size} bytes, manifest says {frec.size}")
-        buf = bytearray(frec.header_size)
-        reader.readinto(0, [memoryview(buf)])
-    finally:
-        reader.close()
-    got = hashing.digest_bytes(buf)
-    if got != frec.header_digest:
-        raise IntegrityError(f"{name}: header (bytes [0, {frec.header_size})) hashes to {got}, "
-                             f"manifest says {frec.header_digest}")
-    if header_length(bytes(buf[:PREFIX_BYTES]), source=name) + PREFIX_BYTES != frec.header_size:
-        raise HeaderError(f"{name}: header length disagrees with the manifest's header_size")
-    header = decode_header(bytes(buf), source=name, file_size=frec.size)
+    header = read_header(storage, path, name, frec, verify=True)  # size, digest, length prefix, rules
     origins = decode_origins(header.metadata, source=name)
     for fqn, shard in shards:
         e = header.entries.get(shard.key)

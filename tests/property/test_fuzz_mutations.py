@@ -275,7 +275,7 @@ class _PeakRss:
 
 LAYERS = {  # what a mutant got past the digests to reach: (module, function) instrumented
     "field parser": [("shardfmt.format.parse", "_manifest_fields")],
-    "header parser": [("shardfmt.loading.reader", "decode_header"), ("shardfmt.validation.v1", "decode_header")],
+    "header parser": [("shardfmt.io.documents", "decode_header"), ("shardfmt.validation.v1", "decode_header")],
     "tiling check": [("shardfmt.loading.planner", "tiling_problems"), ("shardfmt.validation.v1", "tiling_problems")],
     "typed-JSON decoding": [("shardfmt.format.jsonvalue", "decode")],
 }
