@@ -350,7 +350,8 @@ def _carry_past(items: list[CopyItem], k: int, cur: list[CopyItem], end: int) ->
     ``end`` joins ``cur``. Return None when all of it lies before ``end``; else the parts to carry
     to the next read and the index of the next copy to group. The copies after it that start
     before ``end`` are cut there too, so every copy carried starts at or after the next read's
-    start (an edge inside an element stops the cutting: that chunk is then read twice)."""
+    start; one whose element ``end`` falls inside is carried whole (the next read then starts in
+    its chunk, which is read twice), never left behind to start before the read it joins."""
     it = items[k - 1]
     parts = _cut_items([it], end)
     if parts is None:
@@ -361,10 +362,11 @@ def _carry_past(items: list[CopyItem], k: int, cur: list[CopyItem], end: int) ->
         return None
     while k < len(items) and items[k].src_start < end:
         more = _cut_items([items[k]], end)
-        if more is None:
-            break
-        cur.extend(more[0])
-        nxt.extend(more[1])
+        if more is None:  # ``end`` falls inside one of its elements: it goes whole to the next read,
+            nxt.append(items[k])  # which then starts before ``end`` (that chunk is read twice)
+        else:
+            cur.extend(more[0])
+            nxt.extend(more[1])
         k += 1
     return nxt, k
 

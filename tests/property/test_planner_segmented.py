@@ -29,7 +29,7 @@ from test_planner_property import (
 from tiers import examples
 
 from shardfmt.format.dtypes import itemsize
-from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
+from shardfmt.format.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, Topology
 from shardfmt.layout.geometry import Box
 from shardfmt.loading.planner import DEFAULT_MAX_GAP, DEFAULT_MAX_READ, TargetSlice, plan_load
 
@@ -194,3 +194,29 @@ def test_a_shard_read_on_a_segmented_grid_stops_at_its_neighbours():
         (read,) = plan_load(m, want, verify=True).reads
         assert (read.byte_range.start, read.byte_range.end) == expect
         assert math.prod(read.items[0].src_lengths) == 10
+
+
+def test_a_copy_cut_short_by_an_unaligned_element_is_never_left_before_the_read_it_joins():
+    """Hypothesis found it (CI, 2026-12-02): chunk 100 over 8-byte elements, reads of at most 64
+    bytes. A read's end fell inside an element of the next copy, which was then left behind and
+    joined the next read starting after it (bytes [144, 176) in a read [156, 216)). It is now
+    carried whole: the next read starts in its chunk (read twice, as unaligned chunks may be)."""
+    z = "xxh3-128:" + "0" * 32
+    f = "data/rank_00000.safetensors"
+    files = {f: FileRecord(rank=0, size=252, header_size=8, header_digest=z, chunks=(z,) * 5, digest=z,
+                           segments=((8, 56), (56, 216), (216, 248), (248, 252), (252, 252)))}
+    t0 = TensorRecord(dtype="I64", shape=(5, 6), shards=(
+        ShardRecord(offsets=(0, 0), lengths=(1, 6), file=f, key="t0@(0, 0)", byte_range=(8, 56), digest=z),
+        ShardRecord(offsets=(1, 0), lengths=(4, 5), file=f, key="t0@(1, 0)", byte_range=(56, 216), digest=z),
+        ShardRecord(offsets=(1, 5), lengths=(4, 1), file=f, key="t0@(1, 5)", byte_range=(216, 248), digest=z)))
+    m = Manifest(save_id="prop", created_at="2024-01-01T00:00:00.000000Z", step=None, writer={}, chunk_size=100,
+                 metadata=None, topology=Topology(world_size=1, mesh=()), files=files, tensors={"t0": t0},
+                 storages={}, values={}, format_version=2, ranks=())
+    targets = [TargetSlice(index=0, fqn="t0", box=Box((0, 0), (5, 1))),
+               TargetSlice(index=1, fqn="t0", box=Box((0, 1), (5, 5)))]
+    plan = plan_load(m, targets, verify=True, max_gap=1 << 20, max_read=64, bounce=frozenset(), max_bounce_read=64)
+    for read in plan.reads:
+        for it in read.items:
+            assert read.byte_range.start <= it.src_start < it.src_end <= read.byte_range.end, (read.byte_range, it)
+    copied = sum(math.prod(it.src_lengths) * it.itemsize for r in plan.reads for it in r.items)
+    assert copied == 30 * 8  # every element of the tensor, once
