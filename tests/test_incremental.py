@@ -38,6 +38,15 @@ def _data_bytes(path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d)) if os.path.isdir(d) else 0
 
 
+def _chain_of_two(tmp_path) -> dict:
+    """``step_1`` full, then ``step_2`` on it with the trainable part changed; the state as saved last."""
+    sd = _state()
+    shardfmt.save(sd, str(tmp_path / "step_1"))
+    sd["lora"] += 1
+    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    return sd
+
+
 def _assert_loads(path, sd) -> None:
     out = _zeros(sd)
     shardfmt.load(out, str(path))
@@ -60,6 +69,9 @@ def test_a_save_on_a_base_writes_only_what_changed_and_loads_bit_exact(tmp_path)
     full, incr = _data_bytes(tmp_path / "step_1"), _data_bytes(tmp_path / "step_2")
     assert incr <= 0.02 * full, (incr, full)  # the 32 KiB that changed, and a header
     _assert_loads(tmp_path / "step_2", sd)
+    # the statistics of the shards taken (reused from the save that wrote them) are the full save's
+    whole = shardfmt.save(sd, str(tmp_path / "whole"))
+    assert m.extensions["tensor_stats"].value == whole.extensions["tensor_stats"].value
     report = validate(str(tmp_path / "step_2"), deep=True)
     assert report.ok, report.problems
     index = json.loads((tmp_path / "step_2" / "index" / "rank_00000.json").read_bytes())
@@ -70,10 +82,7 @@ def test_a_save_on_a_base_writes_only_what_changed_and_loads_bit_exact(tmp_path)
 
 
 def test_references_point_at_the_checkpoint_that_holds_the_bytes_one_hop(tmp_path):
-    sd = _state()
-    shardfmt.save(sd, str(tmp_path / "step_1"))
-    sd["lora"] += 1
-    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    sd = _chain_of_two(tmp_path)
     sd["emb"][5] = 3
     m = shardfmt.save(sd, str(tmp_path / "step_3"), base=str(tmp_path / "step_2"))
     chain = refs.chain_of(m)
@@ -120,10 +129,7 @@ def test_a_base_elsewhere_is_refused_and_an_unusable_base_gives_a_full_save(tmp_
 
 
 def test_a_removed_or_replaced_base_is_a_broken_chain_for_load_and_validate(tmp_path):
-    sd = _state()
-    shardfmt.save(sd, str(tmp_path / "step_1"))
-    sd["lora"] += 1
-    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    sd = _chain_of_two(tmp_path)
     os.rename(tmp_path / "step_1", tmp_path / "moved")
     with pytest.raises(IntegrityError, match="base 'step_1'.*broken chain"):
         shardfmt.load(_zeros(sd), str(tmp_path / "step_2"))
@@ -140,10 +146,7 @@ def test_a_removed_or_replaced_base_is_a_broken_chain_for_load_and_validate(tmp_
 def test_a_rank_index_may_name_only_listed_bases_and_keys_its_header_has(tmp_path):
     from tests.golden_invalid_v2_make import rank_index
 
-    sd = _state()
-    shardfmt.save(sd, str(tmp_path / "step_1"))
-    sd["lora"] += 1
-    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    sd = _chain_of_two(tmp_path)
     shutil.copytree(tmp_path / "step_2", tmp_path / "step_3")
 
     def edit(o):
@@ -176,10 +179,7 @@ def test_convert_and_export_of_an_incremental_checkpoint_are_complete(tmp_path, 
     from reshard.hf_export import export_hf
     from shardfmt.cli import main as shardfmt_main
 
-    sd = _state()
-    shardfmt.save(sd, str(tmp_path / "step_1"))
-    sd["lora"] += 1
-    shardfmt.save(sd, str(tmp_path / "step_2"), base=str(tmp_path / "step_1"))
+    sd = _chain_of_two(tmp_path)
     convert(str(tmp_path / "step_2"), str(tmp_path / "whole"), {"world": 1})
     export_hf(str(tmp_path / "step_2"), str(tmp_path / "hf"))
     assert shardfmt_main(["inspect", str(tmp_path / "step_2")]) == 0

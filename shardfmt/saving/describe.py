@@ -30,25 +30,32 @@ from shardfmt.layout.state import (
     flatten,
     per_rank_arrays,
 )
-from shardfmt.layout.topology import held_boxes
+from shardfmt.layout.topology import Layout, held_boxes
 from shardfmt.saving.messages import HeldTensor, RankError, RankState
 from shardfmt.saving.sharing import check_saveable, plan_sharing
 
 Piece = tuple[Box, torch.Tensor]  # global box -> local data view
 
 
-def _dtensor_pieces(leaf: Leaf) -> tuple[HeldTensor, list[Piece]]:
-    v = leaf.value
-    try:
-        layout, coords, sizes = dtensor_layout(v)
-    except StateDictError as e:
-        raise StateDictError(f"{leaf.fqn}: {e}") from None
+def dtensor_pieces(v) -> tuple[Layout, list[Piece]]:
+    """A DTensor's layout and the boxes this rank holds of it, each with its local data."""
+    layout, coords, sizes = dtensor_layout(v)
     local = v.to_local().detach()
-    check_saveable(leaf.fqn, local)
     pieces = []
     for hb in held_boxes(tuple(v.shape), layout, coords, sizes) if coords else []:
         sl = tuple(slice(o, o + n) for o, n in zip(hb.local_offsets, hb.box.lengths))
         pieces.append((hb.box, local[sl] if local.dim() else local))
+    return layout, pieces
+
+
+def _dtensor_pieces(leaf: Leaf) -> tuple[HeldTensor, list[Piece]]:
+    v = leaf.value
+    try:
+        layout, pieces = dtensor_pieces(v)
+    except StateDictError as e:
+        raise StateDictError(f"{leaf.fqn}: {e}") from None
+    local = v.to_local()
+    check_saveable(leaf.fqn, local)
     held = HeldTensor(fqn=leaf.fqn, dtype=dtype_code(local.dtype, what=leaf.fqn), shape=tuple(v.shape),
                       placement=placement_record(layout), boxes=tuple(b for b, _ in pieces))
     return held, pieces

@@ -21,10 +21,9 @@ from typing import Any
 import torch
 
 from shardfmt.format.manifest import Manifest
-from shardfmt.layout.dtensor import dtensor_layout
 from shardfmt.layout.geometry import Box
 from shardfmt.layout.state import _is_dtensor, flatten
-from shardfmt.layout.topology import held_boxes
+from shardfmt.saving.describe import dtensor_pieces
 from shardfmt.saving.stats import EXTENSION, NSTATS, add, box_stats, close, from_extension_value
 from shardfmt.training.ranks import Ranks
 
@@ -48,15 +47,7 @@ def _first_replica(v) -> bool:
 
 def _pieces(v, rank: int) -> list[tuple[Box, torch.Tensor]] | None:
     if _is_dtensor(v):
-        if not _first_replica(v):
-            return []
-        layout, coords, sizes = dtensor_layout(v)
-        local = v.to_local().detach()
-        out = []
-        for hb in held_boxes(tuple(v.shape), layout, coords, sizes) if coords else []:
-            sl = tuple(slice(o, o + n) for o, n in zip(hb.local_offsets, hb.box.lengths))
-            out.append((hb.box, local[sl] if local.dim() else local))
-        return out
+        return dtensor_pieces(v)[1] if _first_replica(v) else []
     if isinstance(v, torch.Tensor):
         return [(Box.full(tuple(v.shape)), v)] if rank == 0 else []
     return None  # not a tensor this check can place
