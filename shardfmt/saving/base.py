@@ -79,21 +79,23 @@ class Base:
     shards: Mapping[Place, BaseShard] = field(default_factory=dict)
     owners: Mapping[str, str] = field(default_factory=dict)  # a base name -> its save id (the base and its bases)
 
-    def take(self, items: Sequence[WriteItem], chunk_size: int,
-             digest_of: Callable[[int], str]) -> tuple[list[WriteItem], dict[str, IndexedFile]]:
-        """The items still to write, and the base files (with the keys taken) that hold the others.
-        ``digest_of(i)`` is item ``i``'s shard digest under ``chunk_size`` (``digests``), asked
-        only of candidates. Nothing is taken under another chunk size: digests would not compare."""
+    def take(self, items: Sequence[WriteItem], chunk_size: int, digest_of: Callable[[int], str]
+             ) -> tuple[list[WriteItem], dict[str, IndexedFile], list[tuple[WriteItem, str]]]:
+        """The items still to write, the base files (with the keys taken) that hold the others,
+        and those others with their shard digests. ``digest_of(i)`` is item ``i``'s shard digest
+        under ``chunk_size`` (``Digests``), asked only of candidates. Nothing is taken under
+        another chunk size: digests would not compare."""
         if chunk_size != self.chunk_size or not self.shards:
-            return list(items), {}
-        write, taken = [], {}
+            return list(items), {}, []
+        write, taken, kept = [], {}, []
         for i, it in enumerate(items):
             got = self.shards.get((it.fqn, it.box.offsets))
             if got is not None and _same(got, it) and digest_of(i) == got.digest:
                 taken.setdefault(got.file, []).append(got.key)
+                kept.append((it, got.digest))
             else:
                 write.append(it)
-        return write, {name: _with_keys(self.files[name], keys) for name, keys in sorted(taken.items())}
+        return write, {name: _with_keys(self.files[name], keys) for name, keys in sorted(taken.items())}, kept
 
     def chain_for(self, names: Sequence[str]) -> refs.Chain | None:
         """The chain of a checkpoint whose index references the files ``names`` (None: none)."""

@@ -96,6 +96,9 @@ log = logging.getLogger("shardfmt")
 # One thread computes every save's statistics (``_Run._stats_of``): one for the process, so its
 # allocations reuse one malloc arena instead of a new thread's each save.
 _STATS_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-stats")
+# (record name, offsets, shard digest) -> statistics of the boxes this process's last save wrote or
+# took: a box with the same digest holds the same bytes, so an incremental save takes its statistics too.
+_BOX_STATS: dict[tuple, tuple[float, float, float]] = {}
 
 
 def run_save(prepared: Prepared, path: str, *, coord: Coordinator, options: SaveOptions,
@@ -290,8 +293,8 @@ class _Run:
             if self.snapshot is not None:
                 self.prepared = self.snapshot()
             items = my_items(state, self.prepared.pieces, writers, rank=rank, ready=self.prepared.ready)
-            stats = self._stats_of(items)  # of every box this rank writes or takes: beside the writing
-            items, taken, chain = self._take_from_base(items)
+            items, taken, chain, kept = self._take_from_base(items)
+            stats = self._stats_of(items, kept)  # of every box this rank writes or takes: beside the writing
             file = None
             if items:
                 name = rank_file_name(rank, None, self.staged.name_tag)
@@ -303,7 +306,7 @@ class _Run:
             self.prepared.wait_ready()
             msg: Written | RankError = self._written(file, state, taken, chain)
             if stats is not None and isinstance(msg, Written):
-                msg = dataclasses.replace(msg, stats=_stats_or_none(stats))
+                msg = dataclasses.replace(msg, stats=_stats_or_none(stats, file, kept))
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(rank, e)
         results = gather(msg, decode, "gathering write results")
@@ -314,32 +317,40 @@ class _Run:
         self.coord.raise_failures(failed, "writing shard files")
         return results
 
-    def _stats_of(self, items: list[WriteItem]):
-        """v2: a future of the per-tensor statistics of ``items`` (``saving.stats``), computed in a
-        thread of its own while the file is written (torch lets go of the GIL)."""
-        if self.options.format_version < 2 or not items:
+    def _stats_of(self, items: list[WriteItem], kept: list[tuple[WriteItem, str]]):
+        """v2: a future of the statistics (``saving.stats``) of each box written (``items``) or
+        taken from a base (``kept``, with its shard digest), computed in a thread of its own while
+        the file is written (torch lets go of the GIL): ``(box key, stats)`` pairs. A taken box's
+        come from the save that wrote its bytes, in this process (``_BOX_STATS``, by content
+        digest), when there is one: an incremental save then computes only what it writes."""
+        if self.options.format_version < 2 or not (items or kept):
             return None
 
-        def compute() -> dict[str, list[float]]:
-            out: dict[str, list[float]] = {}
-            for it in items:
-                if it.ready is not None:
-                    it.ready()
-                add(out, it.fqn, box_stats(it.data, it.box.offsets))
+        def compute() -> list[tuple[tuple, tuple[float, float, float]]]:
+            out = []
+            for it, digest in [(it, None) for it in items] + kept:
+                known = _BOX_STATS.get((it.fqn, it.box.offsets, digest)) if digest is not None else None
+                if known is None:
+                    if it.ready is not None:
+                        it.ready()
+                    known = box_stats(it.data, it.box.offsets)
+                out.append(((it.fqn, it.box.offsets, digest), known))
             return out
         return _STATS_POOL.submit(compute)
 
-    def _take_from_base(self, items: list[WriteItem]) -> tuple[list[WriteItem], dict[str, IndexedFile], Chain | None]:
-        """An incremental save: the items still to write, the base's files holding the others, the chain."""
+    def _take_from_base(self, items: list[WriteItem]) -> tuple[list[WriteItem], dict[str, IndexedFile], Chain | None,
+                                                                list[tuple[WriteItem, str]]]:
+        """An incremental save: the items still to write, the base's files holding the others, the
+        chain, and the items taken with their digests."""
         if self.base is None or not items:
-            return items, {}, None
+            return items, {}, None, []
         chunk = self.options.chunk_size
         with Digests(items, chunk, workers=self.options.write_workers or default_write_workers()) as digests:
             base = try_read_base(self.storage, self.path, self.base, self.coord.rank, root=self.base_root)
             if base is None:
-                return items, {}, None
-            items, taken = base.take(items, chunk, digests.of)
-        return items, taken, base.chain_for(list(taken))
+                return items, {}, None, []
+            items, taken, kept = base.take(items, chunk, digests.of)
+        return items, taken, base.chain_for(list(taken)), kept
 
     def _written(self, file: WrittenFile | None, state: RankState, taken: Mapping[str, IndexedFile],
                  chain: Chain | None) -> Written:
@@ -367,14 +378,26 @@ class _Run:
         return outcome.manifest
 
 
-def _stats_or_none(stats) -> dict | None:
-    """The statistics, or None when computing them failed (the save then records none, on any
-    rank: a partial sum would fail the restore's check): a check, never a reason a save fails."""
+def _stats_or_none(stats, file: WrittenFile | None, kept) -> dict | None:
+    """The per-tensor statistics, or None when computing them failed (the save then records
+    none, on any rank: a partial sum would fail the restore's check): a check, never a reason a
+    save fails. Each box's are kept by its content digest for the next save (``_BOX_STATS``)."""
     try:
-        return stats.result()
+        boxes = stats.result()
     except Exception as e:  # noqa: BLE001 - any failure of the diagnostic
         log.warning("shardfmt: this save records no tensor statistics (computing them failed: %s)", e)
         return None
+    written = {} if file is None else {(f, s.offsets): s.digest for f, s in file.shards}
+    out: dict[str, list[float]] = {}
+    keep = {}
+    for (fqn, offsets, digest), vals in boxes:
+        add(out, fqn, vals)
+        digest = digest if digest is not None else written.get((fqn, offsets))
+        if digest is not None:
+            keep[(fqn, offsets, digest)] = vals
+    _BOX_STATS.clear()
+    _BOX_STATS.update(keep)  # what this rank's next (incremental) save may take unchanged
+    return out
 
 
 def _without_flat(state: RankState) -> RankState:
