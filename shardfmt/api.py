@@ -17,6 +17,8 @@ from typing import Any
 
 from shardfmt.errors import ShardfmtError
 from shardfmt.format.manifest import Manifest
+from shardfmt.format.stats import EXTENSION as STATS_EXTENSION
+from shardfmt.format.stats import from_extension_value
 from shardfmt.io.registry import get_storage
 from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
@@ -24,6 +26,7 @@ from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load
 from shardfmt.loading.resolve import resolve, with_rank_values
 from shardfmt.loading.shared import agree
+from shardfmt.loading.tally import Tally
 from shardfmt.loading.targets import allocate_view_buffers, copy_views, plan_reads
 from shardfmt.saving.coordinator import control_group, coordinator_for, in_distributed_job
 from shardfmt.saving.describe import prepare
@@ -44,6 +47,8 @@ class LoadReport:
     stats: Mapping[str, int] = field(default_factory=dict)
     metadata_bytes_read: int = 0  # headers (v2: and the rank table and rank indexes) read to find the data
     metadata_reads: int = 0
+    # with LoadOptions.value_stats: fqn -> (sum, sumsq, rows, elements) of the values this rank answers for
+    value_stats: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- save
@@ -185,8 +190,10 @@ def load(
         raise
     share = agree(plan, m.save_id, group) if group is not None else None
     before = storage.stats.snapshot()
+    saved_stats = m.extensions.get(STATS_EXTENSION) if opts.value_stats else None
+    tally = Tally(targets, from_extension_value(saved_stats.value)) if saved_stats is not None else None
     try:
-        executor = Executor(storage, ckpt.path, targets, opts)
+        executor = Executor(storage, ckpt.path, targets, opts, tally=tally)
         if share is not None:
             executor.run_shared(plan, share)
         else:
@@ -208,4 +215,5 @@ def load(
         bytes_needed=plan.needed_bytes, stats=after,
         metadata_bytes_read=before["bytes_read"] - opened["bytes_read"],
         metadata_reads=before["read_requests"] - opened["read_requests"],
+        value_stats=tally.result() if tally is not None else {},
     )

@@ -220,3 +220,19 @@ def test_the_incremental_benchmark_runs_and_its_checkpoints_load_bit_exact(tmp_p
     report = json.loads(out.read_text())
     assert report["paired"]["incremental/full bytes"]["max"] <= 0.10
     assert report["targets"]["restore reads no more than a full checkpoint's (beyond block padding of its extra reads)"]
+
+
+@pytest.mark.slow
+def test_the_restore_check_benchmark_runs_and_each_restore_it_times_is_bit_exact(tmp_path):
+    """``benchmarks/restore_check.py`` at 32 MiB, 2 rounds: every restore it times, checked or
+    not, gives the saved model back bit for bit (it asserts so), and it reports both caches."""
+    from benchmarks import restore_check
+
+    out = tmp_path / "check.json"
+    restore_check.main(["--size-mib", "32", "--rounds", "2", "--warmup", "0", "--dir", str(tmp_path),
+                        "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["paired"]) == {"cold checked/unchecked", "warm checked/unchecked", "cold checked/floor.read",
+                                     "warm checked/floor.read"}
+    assert len(report["records"]) == 2 and report["state_bytes"] == 2 * (2048 * 2048 + 2048) * 4
+    assert os.listdir(tmp_path) == ["check.json"]  # the scratch is removed

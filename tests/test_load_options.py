@@ -51,8 +51,9 @@ def test_storage_defaults_fill_only_what_the_caller_left_open(tmp_path):
 
 
 def test_each_destination_slice_is_one_target_naming_both_ends(tmp_path):
-    """Tied tensors share memory (read through a bounce buffer), a column slice is strided (bounce),
-    a contiguous tensor is read in place; in one process every target is ``sole``. Nothing is read."""
+    """Tied tensors share memory (the first read in place, the other into memory of its own and
+    copied in afterwards), a column slice is strided (bounce), a contiguous tensor is read in
+    place; in one process every target is ``sole``. Nothing is read."""
     _, path = _saved(tmp_path)
     m = open_checkpoint(path).manifest
     tied = torch.zeros(8, 8)
@@ -62,7 +63,9 @@ def test_each_destination_slice_is_one_target_naming_both_ends(tmp_path):
     by_name = {t.src.fqn: t for t in req.targets}
     assert [t.index for t in req.targets] == list(range(len(req.targets))) and set(by_name) == {"a", "b", "c", "d"}
     assert by_name["a"].dst.data_ptr() == tied.data_ptr() and by_name["a"].src_dtype == torch.float32
-    assert by_name["a"].src.box.lengths == (8, 8) and by_name["a"].bounce and by_name["c"].bounce
+    assert by_name["a"].src.box.lengths == (8, 8) and not by_name["a"].bounce and not by_name["a"].views
+    c = by_name["c"]
+    assert c.dst.data_ptr() != tied.data_ptr() and [v.dst.data_ptr() for v in c.views] == [tied.data_ptr()]
     assert by_name["b"].bounce and not by_name["d"].bounce and all(t.sole for t in req.targets)
     assert req.missing == ("ghost",) and [leaf.fqn for leaf, _ in req.values] == ["n"]
     assert state["n"] == 0  # values are set only once every read succeeded

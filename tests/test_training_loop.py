@@ -73,6 +73,75 @@ def test_a_loop_that_zeroes_gradients_in_place_is_not_warned_between_steps(tmp_p
         shardfmt.Checkpointer(str(tmp_path / "root")).save(1, {"model": model, "optim": opt})
 
 
+def _accumulating_run(root: str, *, save_at: int | None, save_grads: bool = True, restore: bool = False):
+    """Two optimizer steps of 4 micro-steps each (Adam, a fixed batch per micro-step); save after
+    micro-step ``save_at`` of the second step; ``restore``: start from the checkpoint instead, at
+    the micro-step its metadata names. Returns the model's final parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = torch.randn(2, 4, 3, 8, generator=torch.Generator().manual_seed(1))
+    ck = shardfmt.Checkpointer(root, save_grads=save_grads)
+    start_step, start_micro = 0, 0
+    if restore:
+        start_step = ck.restore({"model": model, "optim": opt})
+        start_micro = ck.restored_metadata["micro_step"]
+    for step in range(start_step, 2):
+        for micro in range(start_micro if step == start_step else 0, 4):
+            model(batches[step, micro]).pow(2).mean().backward()
+            if step == 1 and micro + 1 == save_at:
+                ck.save(step, {"model": model, "optim": opt}, metadata={"micro_step": micro + 1})
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_save_in_the_middle_of_a_gradient_accumulation_resumes_exactly_with_save_grads(tmp_path):
+    """``save_grads=True``: the pending gradients are saved (no warning) and restored, the micro-step
+    counter rides in the metadata: the resumed run ends bit for bit where the uninterrupted one
+    does. Without them it does not, and a restore without ``save_grads`` of a checkpoint holding
+    gradients says what it leaves out."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole = _accumulating_run(str(tmp_path / "a"), save_at=2)
+    resumed = _accumulating_run(str(tmp_path / "a"), save_at=None, restore=True)
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
+    m = shardfmt.read_manifest(str(tmp_path / "a" / "step_000000001"))
+    assert sorted(k for k in m.tensors if k.startswith("_shardfmt_grads.")) == [
+        "_shardfmt_grads.model.0.bias", "_shardfmt_grads.model.0.weight", "_shardfmt_grads.model.1.bias",
+        "_shardfmt_grads.model.1.weight"]
+    with pytest.warns(UserWarning, match=r"saved with the gradients of a step not yet applied"):
+        lost = _accumulating_run(str(tmp_path / "a"), save_at=None, save_grads=False, restore=True)
+    assert not all(torch.equal(a, b) for a, b in zip(whole, lost))  # the first two micro-steps' gradients
+
+
+def test_save_grads_restores_no_gradient_where_the_checkpoint_holds_none(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    ck = shardfmt.Checkpointer(str(tmp_path / "root"), save_grads=True)
+    ck.save(1, {"model": model})  # no gradient set: none saved
+    assert not [k for k in shardfmt.read_manifest(str(tmp_path / "root" / "step_000000001")).tensors
+                if k.startswith("_shardfmt")]
+    back = torch.nn.Linear(4, 4)
+    back(torch.randn(2, 4)).sum().backward()  # a stale gradient in the state restored into
+    assert ck.restore({"model": back}) == 1 and back.weight.grad is None and back.bias.grad is None
+
+
+@pytest.mark.slow
+def test_saved_gradients_reshard_like_the_weights(tmp_path):
+    """Saved on 2 ranks (a DTensor weight split by rows, its gradient too), restored in 1 process
+    into a plain model: the gradient comes back whole."""
+    from tests.distributed.harness import check_all_ok, launch
+
+    root = str(tmp_path / "root")
+    saved = check_all_ok(launch("grads_save", 2, {"root": root}, out_dir=str(tmp_path / "o"),
+                                module="tests.distributed.loop_jobs"))
+    m = torch.nn.Module()
+    m.register_parameter("w", torch.nn.Parameter(torch.zeros(64, 6)))
+    ck = shardfmt.Checkpointer(root, save_grads=True)
+    assert ck.restore({"model": m}) == 3 and ck.restored_metadata == {"micro_step": 1}
+    assert torch.equal(m.w.grad, torch.tensor(saved[0]["grad"])) and m.w.grad.abs().sum() > 0
+
+
 # ----------------------------------------------------------------------------- how often to save (item 3)
 
 
@@ -243,9 +312,13 @@ def test_inspect_shows_what_the_runs_earlier_saves_cost(tmp_path, capsys):
 
 def test_a_restore_whose_loaded_values_do_not_match_the_saved_statistics_fails_loudly(tmp_path, monkeypatch):
     """A load that puts intact bytes in the wrong place or the wrong form (a loader bug: the
-    digests all pass) is caught by the sums saved with the tensors; nothing is quarantined."""
+    digests all pass) is caught by the sums saved with the tensors, taken in the read pass on
+    what landed in the targets; nothing is quarantined."""
+    import dataclasses
+
+    from shardfmt import api
     from shardfmt.errors import IntegrityError
-    from shardfmt.training import restore as restore_mod
+    from shardfmt.loading import executor
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
@@ -254,30 +327,101 @@ def test_a_restore_whose_loaded_values_do_not_match_the_saved_statistics_fails_l
     m = shardfmt.read_manifest(root + "/step_000000001")
     assert set(m.extensions["tensor_stats"].value) == {"model.0.weight", "model.0.bias", "model.1.weight",
                                                        "model.1.bias"}
-    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
-    assert shardfmt.Checkpointer(root).restore({"model": fresh}) == 1  # the honest load passes
-    real = restore_mod.load
-    for bug in ("transpose", "other tensor", "half precision scale"):
-        def buggy(sd, *a, bug=bug, **k):
-            rep = real(sd, *a, **k)
-            w = sd["model"]["0.weight"]
-            with torch.no_grad():
-                if bug == "transpose":
-                    w.copy_(w.t().clone())
-                elif bug == "other tensor":
-                    w.copy_(sd["model"]["1.weight"])
-                else:
-                    w.mul_(0.5)
-            return rep
-        monkeypatch.setattr(restore_mod, "load", buggy)
-        with pytest.raises(IntegrityError, match=r"do not match the statistics saved.*model\.0\.weight"):
-            shardfmt.Checkpointer(root).restore({"model": torch.nn.Sequential(torch.nn.Linear(64, 64),
-                                                                               torch.nn.Linear(64, 64))})
+
+    def fresh():
+        return {"model": torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))}
+    back = fresh()
+    assert shardfmt.Checkpointer(root).restore(back) == 1  # the honest load passes
+    assert torch.equal(back["model"][0].weight, model[0].weight)
+    real_src, real_plan = executor._src_view, api.plan_reads
+
+    def swapped_targets(manifest, targets, *a, **k):  # the two weights' bytes land in each other
+        plan = real_plan(manifest, targets, *a, **k)
+        which = {t.src.fqn: t.index for t in targets}
+        a_, b_ = which["model.0.weight"], which["model.1.weight"]
+        swap = {a_: b_, b_: a_}
+        reads = tuple(dataclasses.replace(r, items=tuple(dataclasses.replace(it, target=swap.get(it.target, it.target))
+                                                        for it in r.items)) for r in plan.reads)
+        return dataclasses.replace(plan, reads=reads)
+
+    def through_bounce(bug):
+        def src_view(buf, offset, item, dtype):
+            v = real_src(buf, offset, item, dtype)
+            return bug(v) if tuple(v.shape) == (64, 64) and item.dst_offsets == (0, 0) else v
+        return src_view
+    bugs = {
+        "a wrong target": lambda: monkeypatch.setattr(api, "plan_reads", swapped_targets),
+        "a transpose": lambda: monkeypatch.setattr(executor, "_src_view", through_bounce(lambda v: v.t())),
+        "a wrong cast": lambda: monkeypatch.setattr(executor, "_src_view",
+                                                    through_bounce(lambda v: v.to(torch.bfloat16) * 0.5)),
+    }
+    for name, inject in bugs.items():
+        monkeypatch.undo()
+        if name != "a wrong target":  # copies through a bounce buffer: the per-copy path
+            monkeypatch.setattr(executor.Executor, "_direct_ok", lambda self, read: False)
+        inject()
+        with pytest.raises(IntegrityError, match=r"do not match the statistics saved.*model\.[01]\.weight"):
+            shardfmt.Checkpointer(root).restore(fresh())
+        assert shardfmt.Checkpointer(root).restore(fresh(), allow_mismatch=True) == 1, name  # the check is off
     assert os.listdir(root) == ["step_000000001"]  # nothing quarantined
 
 
+@pytest.mark.slow
+def test_the_post_restore_check_sums_each_tensor_once_across_ranks_and_any_placement(tmp_path):
+    """2 ranks: saved with rows sharded, loaded as column shards, replicated or plain, every
+    tensor is checked (the ranks' sums cover each element once); a loader bug on one rank only
+    (rows reversed in its copies) fails the restore on both ranks."""
+    from tests.distributed.harness import check_all_ok, launch
+
+    root = str(tmp_path / "root")
+    for k, into in enumerate(("shard0", "shard1", "replicate")):
+        got = check_all_ok(launch("values_check", 2, {"root": root, "save": k == 0, "into": into},
+                                  out_dir=str(tmp_path / f"o{k}"), module="tests.distributed.loop_jobs"))
+        for r in got:
+            assert r["checked"] == ["m.b", "m.v", "m.w"] and r["unchecked"] == [] and r["bad"] == [], into
+            assert r["restore_error"] is None, into
+    got = check_all_ok(launch("values_check", 2, {"root": root, "save": False, "into": "shard1", "flip_on": 1},
+                              out_dir=str(tmp_path / "bug"), module="tests.distributed.loop_jobs"))
+    for r in got:
+        assert len(r["bad"]) == 1 and r["bad"][0].startswith("m.w: saved")
+        assert "do not match the statistics saved with them" in r["restore_error"] and "m.w" in r["restore_error"]
+
+
+@pytest.mark.parametrize("direct_io", ["1", "0"])
+def test_the_loads_statistics_are_the_saved_ones_whatever_pieces_the_reads_land_in(tmp_path, monkeypatch, direct_io):
+    """The sums a load takes as its reads land (pieces cutting rows anywhere, around the page
+    cache or through it, through a bounce buffer for a cast) equal the save's, tensor by tensor."""
+    from shardfmt.format.stats import close, from_extension_value
+    from shardfmt.loading import executor
+    from shardfmt.loading.options import LoadOptions
+
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", direct_io)
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.randn(1200, 1001, generator=g), "vec": torch.randn(300_001, generator=g),
+          "ints": torch.arange(5000, dtype=torch.int64).reshape(50, 100) * 7919,
+          "half": torch.randn(333, 77, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.5)}
+    path = str(tmp_path / "c")
+    shardfmt.save(sd, path)
+    saved = from_extension_value(shardfmt.read_manifest(path).extensions["tensor_stats"].value)
+    monkeypatch.setattr(executor, "READ_PIECE", 1 << 17)  # 128 KiB pieces: rows cut mid-way
+    around = []
+    real_direct = executor._read_direct
+    monkeypatch.setattr(executor, "_read_direct", lambda *a: around.append(1) or real_direct(*a))
+    for cast in (False, True):
+        back = {k: torch.zeros_like(v, dtype=torch.float64 if cast and v.is_floating_point() else None)
+                for k, v in sd.items()}
+        rep = shardfmt.load(back, path, options=LoadOptions(value_stats=True, cast=cast))
+        assert sorted(rep.value_stats) == sorted(sd)
+        for k, v in sd.items():
+            got = rep.value_stats[k]
+            assert got[3] == v.numel() and close(saved[k], got[:3], v.numel()), (k, cast, saved[k], got)
+    plain = shardfmt.load({k: torch.zeros_like(v) for k, v in sd.items()}, path)
+    assert plain.value_stats == {}  # summed only when asked
+    assert bool(around) == (direct_io == "1")  # the path around the page cache ran, or did not
+
+
 def test_box_statistics_add_up_across_any_partition_and_see_moved_rows():
-    from shardfmt.saving.stats import box_stats, close
+    from shardfmt.format.stats import box_stats, close
 
     t = torch.randn(512, 300, generator=torch.Generator().manual_seed(7)) * 2 + 0.5
     whole = box_stats(t, (0, 0))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -32,6 +32,7 @@ from shardfmt.io.store import FileReader, Storage
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
 from shardfmt.loading.shared import Share
+from shardfmt.loading.tally import Tally
 from shardfmt.loading.targets import ReadTarget
 
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
@@ -103,10 +104,14 @@ class _Readers:
 
 
 def _pieces(segments: Sequence[memoryview]):
-    """The segments cut into pieces of at most READ_PIECE bytes, in order."""
-    for seg in segments:
+    """The segments cut into pieces of at most READ_PIECE bytes, in order: (segment, offset, piece)."""
+    for i, seg in enumerate(segments):
         for off in range(0, len(seg), READ_PIECE):
-            yield seg[off : off + READ_PIECE]
+            yield i, off, seg[off : off + READ_PIECE]
+
+
+# Called as each part of a read's segments is in memory and hashed: (segment, first byte, end byte).
+Landed = Callable[[int, int, int], None]
 
 
 class _ReadAhead:
@@ -174,17 +179,20 @@ class Executor:
     plans (offline conversion under a memory budget) keeps one fixed set; each must hold the
     plan's largest bounced read. ``follow_links``: the files under ``root`` may be reached
     through symbolic links (a Hugging Face folder, never a shardfmt checkpoint: spec section 2).
-    The plan carries the file records and chunk grids its reads are checked against.
+    ``tally``: each copy's values are added to it as soon as they are in their target, on the
+    thread that read them (``loading.tally``). The plan carries the file records and chunk
+    grids its reads are checked against.
     """
 
     def __init__(self, storage: Storage, root: str, targets: Sequence[ReadTarget],
                  options: LoadOptions, *, bounce_buffers: Sequence[torch.Tensor] = (),
-                 follow_links: bool = False) -> None:
+                 follow_links: bool = False, tally: Tally | None = None) -> None:
         self.storage = storage
         self.root = root
         self.targets = targets
         self.workers = options.workers
         self.follow_links = follow_links
+        self.tally = tally
         self._given = tuple(bounce_buffers)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
@@ -260,11 +268,16 @@ class Executor:
         return buf, None
 
     def _scatter(self, read: PhysicalRead, buf: torch.Tensor) -> None:
-        """Copy a read's bytes (``buf``, from its first byte) into the targets it feeds."""
+        """Copy a read's bytes (``buf``, from its first byte) into the targets it feeds, each
+        copy tallied while it is in cache."""
         start = read.byte_range.start
+        tally = self.tally
         for it in read.items:
             t = self.targets[it.target]
-            _dst_view(t.dst, it).copy_(_src_view(buf, it.src_start - start, it, t.src_dtype))
+            dst = _dst_view(t.dst, it)
+            dst.copy_(_src_view(buf, it.src_start - start, it, t.src_dtype))
+            if tally is not None and tally.counts(it.target):
+                tally.filled(t, it, dst)
 
     def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, around: list[bool],
                   workers: int) -> None:
@@ -313,20 +326,41 @@ class Executor:
         start, end = read.byte_range.start, read.byte_range.end
         if self._direct_ok(read):
             segments: list[memoryview] = []
+            fills: list[CopyItem | None] = []  # the copy each segment is (None: a gap)
             pos = start
             for it in read.items:
                 if it.src_start > pos:
                     segments.append(memoryview(bytearray(it.src_start - pos)))
+                    fills.append(None)
                 if it.src_end > it.src_start:
                     segments.append(byte_view(_dst_view(self.targets[it.target].dst, it)))
+                    fills.append(it)
                 pos = it.src_end
             if end > pos:
                 segments.append(memoryview(bytearray(end - pos)))
-            self._read(reader, read, segments, verify, around=around)
+                fills.append(None)
+            self._read(reader, read, segments, verify, around=around, landed=self._tallied(fills))
             return
         buf = self._bounce(end - start)
         self._read(reader, read, [byte_view(buf)], verify)
         self._scatter(read, buf)
+
+    def _tallied(self, fills: Sequence[CopyItem | None]) -> Landed | None:
+        """What adds each part of a direct read to the tally as it lands, while it is in cache:
+        ``fills[i]`` is the copy segment ``i`` is, a contiguous run of its target's elements."""
+        tally = self.tally
+        if tally is None or not any(it is not None and tally.counts(it.target) for it in fills):
+            return None
+        runs = [None if it is None or not tally.counts(it.target)
+                else _dst_view(self.targets[it.target].dst, it).reshape(-1) for it in fills]
+
+        def landed(seg: int, lo: int, hi: int) -> None:
+            run = runs[seg]
+            if run is not None:
+                it = fills[seg]
+                isz = run.element_size()
+                tally.landed(self.targets[it.target], it, run[lo // isz:hi // isz], lo // isz)
+        return landed
 
     def _bounce(self, n: int) -> torch.Tensor:
         """Return this thread's bounce buffer, grown to ``n`` bytes: one per worker, reused for
@@ -345,32 +379,33 @@ class Executor:
         return buf[:n]
 
     def _read(self, reader: FileReader, read: PhysicalRead, segments: list[memoryview], verify: bool, *,
-              around: bool = False) -> None:
-        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands
-        (``around``: through ``_read_direct``)."""
+              around: bool = False, landed: Landed | None = None) -> None:
+        """Read the segments in cache-sized pieces, hashing each piece as soon as it lands, then
+        telling ``landed`` (``around``: through ``_read_direct``)."""
         pos = read.byte_range.start
         hasher = self._hasher(read) if verify else None
         try:
             if around:
-                _read_direct(reader, read, segments, hasher)
+                _read_direct(reader, read, segments, hasher, landed)
                 segments = []
             if self.storage.remote:  # a request is a round trip: one GET for the whole read
                 reader.readinto(pos, segments)
-                if hasher is not None:
-                    for seg in segments:
-                        for off in range(0, len(seg), READ_PIECE):
-                            hasher.update(seg[off : off + READ_PIECE])
+                for i, off, piece in _pieces(segments):
+                    if hasher is not None:
+                        hasher.update(piece)
+                    if landed is not None:
+                        landed(i, off, off + len(piece))
                 segments = []
-            batch: list[memoryview] = []  # pieces read by one call: up to READ_PIECE bytes, IOV_BATCH buffers
+            batch: list[tuple[int, int, memoryview]] = []  # read by one call: <= READ_PIECE bytes, IOV_BATCH buffers
             size = 0
             for piece in _pieces(segments):
-                if batch and (size + len(piece) > READ_PIECE or len(batch) == IOV_BATCH):
-                    pos = self._read_batch(reader, pos, batch, size, hasher)
+                if batch and (size + len(piece[2]) > READ_PIECE or len(batch) == IOV_BATCH):
+                    pos = self._read_batch(reader, pos, batch, size, hasher, landed)
                     batch, size = [], 0
                 batch.append(piece)
-                size += len(piece)
+                size += len(piece[2])
             if batch:
-                self._read_batch(reader, pos, batch, size, hasher)
+                self._read_batch(reader, pos, batch, size, hasher, landed)
         except ShardfmtError as e:  # same kind (truncation stays an IntegrityError), with the read named
             raise type(e)(f"{read.file}: reading bytes [{read.byte_range.start}, {read.byte_range.end}) "
                                f"failed: {e}") from None
@@ -378,13 +413,16 @@ class Executor:
             self._verify(read, hasher.finish())
 
     @staticmethod
-    def _read_batch(reader: FileReader, pos: int, batch: list[memoryview], size: int,
-                    hasher: ChunkHasher | None) -> int:
-        """One scatter read of consecutive pieces, then hash them in order; return the next offset."""
-        reader.readinto(pos, batch)
-        if hasher is not None:
-            for piece in batch:
+    def _read_batch(reader: FileReader, pos: int, batch: list[tuple[int, int, memoryview]], size: int,
+                    hasher: ChunkHasher | None, landed: Landed | None) -> int:
+        """One scatter read of consecutive pieces, then hash them (and tell ``landed``) in order;
+        return the next offset."""
+        reader.readinto(pos, [piece for _, _, piece in batch])
+        for i, off, piece in batch:
+            if hasher is not None:
                 hasher.update(piece)
+            if landed is not None:
+                landed(i, off, off + len(piece))
         return pos + size
 
     def _hasher(self, read: PhysicalRead) -> ChunkHasher:
@@ -416,9 +454,10 @@ class Executor:
 
 
 def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],
-                 hasher: ChunkHasher | None) -> None:
+                 hasher: ChunkHasher | None, landed: Landed | None = None) -> None:
     """Read ``read`` around the page cache (``FileReader.read_block``): aligned blocks land in a
-    reused bounce buffer, are hashed there, then copied into the segments in order."""
+    reused bounce buffer, are hashed there, then copied into the segments in order (and each
+    part copied told to ``landed``)."""
     start, end = read.byte_range.start, read.byte_range.end
     lo = start - start % DIRECT_ALIGN
     size = aligned.bounce_size(64 * (end - lo), cap=aligned.MAX_BLOCK)  # the read's size at most
@@ -434,6 +473,8 @@ def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryvi
                 dst = segments[seg]
                 k = min(n - p, len(dst) - filled)
                 aligned.copy(address(dst, filled), bounce.address + p, k)
+                if landed is not None:
+                    landed(seg, filled, filled + k)
                 p += k
                 filled += k
                 if filled == len(dst):

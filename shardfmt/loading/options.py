@@ -38,6 +38,8 @@ class LoadOptions:
     parallel replicas) read each range once and broadcast it (``loading.shared``; the load is
     then a collective of its process group); None: on object stores only, where every rank's
     read is a request the store serves again (on local disk the page cache shares them).
+    ``value_stats``: sum the statistics of the values loaded, in the read pass, for the tensors
+    the checkpoint records statistics of (``loading.tally``; ``LoadReport.value_stats``).
     """
 
     strict: bool = True
@@ -49,6 +51,7 @@ class LoadOptions:
     max_bounce_read: int | None = None
     workers: int = DEFAULT_WORKERS
     share_reads: bool | None = None
+    value_stats: bool = False
 
     def __post_init__(self) -> None:
         if self.per_rank not in ("error", "skip"):

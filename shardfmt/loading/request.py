@@ -76,7 +76,7 @@ def request_load(state_dict: dict, manifest: Manifest, options: LoadOptions, *, 
     before any read for a leaf that cannot be loaded, and for one missing when ``strict``."""
     m = manifest
     leaves = flatten(state_dict)
-    builder = TargetBuilder(m, cast=options.cast, world_size=world_size)
+    builder = TargetBuilder(m, cast=options.cast, world_size=world_size, rank=rank)
     values: list[tuple[Leaf, Any]] = []
     absent: list[Leaf] = []
     kept: dict[str, Any] = {}

@@ -66,7 +66,9 @@ class ReadTarget:
     through a bounce buffer (a cast, a strided or non-CPU target, or memory another target
     shares). ``sole``: no other process reads these bytes, so large reads may go around the
     page cache. ``views``: this target is a shared buffer; copy these views out of it once
-    it is read.
+    it is read. ``first_copy``: this rank answers for these elements in a sum over the job's
+    ranks (``loading.tally``): True for a plain tensor on rank 0 and a DTensor's first replica,
+    False for the other copies, None where the rank cannot tell (ShardedTensor, FlatShard).
     """
 
     src: TargetSlice
@@ -75,6 +77,7 @@ class ReadTarget:
     bounce: bool = False
     sole: bool = False
     views: tuple[ViewCopy, ...] = ()
+    first_copy: bool | None = None
 
     @property
     def index(self) -> int:
@@ -100,6 +103,21 @@ def _pieces(leaf: Leaf) -> tuple[torch.Tensor, list[tuple[torch.Tensor, Box]], t
             out.append((local[sl] if local.dim() else local, hb.box))
         return local, out, tuple(v.shape)
     return v, [(v, Box.full(v.shape))], tuple(v.shape)
+
+
+def _first_copy(v, rank: int) -> bool | None:
+    """Whether ``rank`` holds the first copy of the leaf value ``v``'s elements in the job: a
+    plain tensor (every rank loads it whole) on rank 0; a DTensor on the first replica of every
+    mesh dim it is replicated on (a ``Partial`` one holds no copy of the values); None for
+    ShardedTensor and FlatShard slices, whose replicas the ranks cannot tell apart alone."""
+    if isinstance(v, (ShardedTensor, FlatShard)):
+        return None
+    if not _is_dtensor(v):
+        return rank == 0
+    coords = v.device_mesh.get_coordinate()
+    if coords is None:
+        return False
+    return all(p.is_shard() or (p.is_replicate() and c == 0) for c, p in zip(coords, v.placements))
 
 
 def _sharded_on_every_dim(v, world_size: int | None) -> bool:
@@ -133,12 +151,13 @@ class TargetBuilder:
     """Collect a load's read targets, one tensor leaf at a time (``add``), then ``build``.
 
     ``world_size`` is the job's (None: ``rank=`` outside torch.distributed); with one
-    process every target is ``sole``."""
+    process every target is ``sole``. ``rank``: this process's rank in it."""
 
-    def __init__(self, manifest: Manifest, *, cast: bool, world_size: int | None) -> None:
+    def __init__(self, manifest: Manifest, *, cast: bool, world_size: int | None, rank: int = 0) -> None:
         self._m = manifest
         self._cast = cast
         self._world = world_size
+        self._rank = rank
         self._targets: list[ReadTarget] = []
         self._views: dict[str, list[tuple[ViewCopy, int]]] = {}  # storage -> (view, extent in elements)
 
@@ -158,10 +177,11 @@ class TargetBuilder:
             self._add_view(leaf.fqn, rec, pieces[0][0])
             return
         sole = self._world == 1 or _sharded_on_every_dim(v, self._world)
+        first = _first_copy(v, self._rank)
         for view, box in pieces:
             _check_writable(leaf.fqn, view)
             self._targets.append(ReadTarget(src=TargetSlice(index=len(self._targets), fqn=name, box=box),
-                                            src_dtype=src_dtype, dst=view.detach(), sole=sole))
+                                            src_dtype=src_dtype, dst=view.detach(), sole=sole, first_copy=first))
 
     def _add_view(self, fqn: str, rec: TensorRecord, dst: torch.Tensor) -> None:
         view = rec.view
@@ -183,43 +203,59 @@ class TargetBuilder:
             src_dtype = torch_dtype(self._m.storages[base].dtype, what=base)
             targets.append(ReadTarget(
                 src=TargetSlice(index=len(targets), fqn=base, box=Box((lo,), (hi - lo,))), src_dtype=src_dtype,
-                dst=torch.empty(hi - lo, dtype=src_dtype, device="meta"),
+                dst=torch.empty(hi - lo, dtype=src_dtype, device="meta"), first_copy=self._rank == 0,
                 views=tuple(replace(c, storage_offset=c.storage_offset - lo) for c in copies)))
         return _mark_bounce(targets)
 
 
 def _mark_bounce(targets: list[ReadTarget]) -> list[ReadTarget]:
-    """Mark the targets filled through a bounce buffer: cast and strided targets, and targets
-    sharing memory (tied weights: bytes read straight into shared memory could be overwritten
-    before they are hashed). A view's buffer, still a placeholder, will be a fresh contiguous
-    tensor: read in place."""
-    shared = _sharing_memory(targets)
-    return [replace(t, bounce=True) if t.index in shared or (
-                not t.dst.is_meta and (t.dst.dtype != t.src_dtype or not is_direct(t.dst))) else t
-            for t in targets]
+    """Mark the targets filled through a bounce buffer: cast, strided and non-CPU targets. Of
+    targets whose memory overlaps (tied weights), the first is read in place and each other one
+    into memory of its own, copied into place after every read in order (``_apart``): bytes
+    read straight into shared memory could be overwritten before they are hashed, and two
+    names' bytes copied into it at once would leave a mix of both. A view's buffer, still a
+    placeholder, will be a fresh contiguous tensor: read in place."""
+    apart = _set_apart(targets)
+    out = []
+    for t in targets:
+        if t.index in apart:
+            t = _apart(t)
+        if not t.dst.is_meta and (t.dst.dtype != t.src_dtype or not is_direct(t.dst)):
+            t = replace(t, bounce=True)
+        out.append(t)
+    return out
 
 
-def _sharing_memory(targets: Sequence[ReadTarget]) -> frozenset[int]:
-    """The indices of CPU targets whose memory spans overlap another's (a conservative test)."""
+def _apart(t: ReadTarget) -> ReadTarget:
+    """``t`` read into memory of its own, copied into its caller's memory once every read is done
+    (``copy_views``, in target order: where tied targets hold different values the later one's
+    are left)."""
+    own = torch.empty(t.dst.shape, dtype=t.dst.dtype, device=t.dst.device)
+    back = ViewCopy(fqn=t.src.fqn, dst=t.dst, storage_offset=0, shape=tuple(t.dst.shape), stride=own.stride())
+    return replace(t, dst=own, views=(back,))
+
+
+def _set_apart(targets: Sequence[ReadTarget]) -> frozenset[int]:
+    """The indices of the targets to read into memory of their own: of each cluster of targets
+    whose memory spans overlap (chained; a conservative test, per device), all but the first."""
     spans = []
     for t in targets:
-        if t.dst.device.type != "cpu" or t.dst.numel() == 0:
+        if t.dst.is_meta or t.dst.numel() == 0:
             continue
         lo = t.dst.data_ptr()
-        spans.append((lo, lo + view_reach(t.dst.shape, t.dst.stride()) * t.dst.element_size(), t.index))
+        spans.append((str(t.dst.device), lo, lo + view_reach(t.dst.shape, t.dst.stride()) * t.dst.element_size(),
+                      t.index))
     spans.sort()
     out: set[int] = set()
-    cluster: list[int] = []  # spans chained by overlaps: all of them bounce
-    reach = -1
-    for lo, hi, i in spans:
-        if lo >= reach:
-            if len(cluster) > 1:
-                out.update(cluster)
-            cluster = []
+    cluster: list[int] = []
+    where, reach = None, -1
+    for device, lo, hi, i in spans:
+        if device != where or lo >= reach:
+            out.update(sorted(cluster)[1:])
+            cluster, where, reach = [], device, -1
         cluster.append(i)
         reach = max(reach, hi)
-    if len(cluster) > 1:
-        out.update(cluster)
+    out.update(sorted(cluster)[1:])
     return frozenset(out)
 
 

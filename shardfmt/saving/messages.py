@@ -41,9 +41,9 @@ from shardfmt.format.parse import (
 )
 from shardfmt.format.parse_v2 import parse_rank_entry
 from shardfmt.format.refs import Chain, check_base, parse_chain, split
+from shardfmt.format.stats import as_extension_value as stats_value
+from shardfmt.format.stats import from_extension_value as stats_from
 from shardfmt.layout.geometry import Box
-from shardfmt.saving.stats import as_extension_value as stats_value
-from shardfmt.saving.stats import from_extension_value as stats_from
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
 WriteKey = tuple[str, tuple[int, ...], tuple[int, ...]]  # (fqn, offsets, lengths)

@@ -50,6 +50,7 @@ from shardfmt.format.manifest import (
 )
 from shardfmt.format.parse import check_step
 from shardfmt.format.refs import Chain
+from shardfmt.format.stats import add, box_stats
 from shardfmt.format.tensor_bytes import byte_pieces
 from shardfmt.io.registry import get_storage
 from shardfmt.layout.topology import Mesh, TopologyError
@@ -88,7 +89,6 @@ from shardfmt.saving.shard_file import (
     file_order,
     write_shard_file,
 )
-from shardfmt.saving.stats import add, box_stats
 from shardfmt.saving.writer import CheckpointWriter
 
 Snapshot = Callable[[], Prepared]
@@ -318,7 +318,7 @@ class _Run:
         return results
 
     def _stats_of(self, items: list[WriteItem], kept: list[tuple[WriteItem, str]]):
-        """v2: a future of the statistics (``saving.stats``) of each box written (``items``) or
+        """v2: a future of the statistics (``format.stats``) of each box written (``items``) or
         taken from a base (``kept``, with its shard digest), computed in a thread of its own while
         the file is written (torch lets go of the GIL): ``(box key, stats)`` pairs. A taken box's
         come from the save that wrote its bytes, in this process (``_BOX_STATS``, by content

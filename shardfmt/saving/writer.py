@@ -49,6 +49,8 @@ from shardfmt.format.manifest import (
     rank_file_name,
 )
 from shardfmt.format.parse import check_step
+from shardfmt.format.stats import EXTENSION as STATS_EXTENSION
+from shardfmt.format.stats import add, as_extension_value
 from shardfmt.io.documents import check_bases
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
@@ -66,8 +68,6 @@ from shardfmt.saving.shard_file import (
     file_order,
     write_shard_file,
 )
-from shardfmt.saving.stats import EXTENSION as STATS_EXTENSION
-from shardfmt.saving.stats import add, as_extension_value
 
 
 def default_writer_versions() -> dict[str, str]:
@@ -326,7 +326,7 @@ class CheckpointWriter:
         self._external_files.update(files)
 
     def add_stats(self, stats: Mapping[str, Sequence[float]]) -> None:
-        """v2: add a rank's per-tensor statistics (``saving.stats``): the root records the sums."""
+        """v2: add a rank's per-tensor statistics (``format.stats``): the root records the sums."""
         if self._stats is None:
             return
         for fqn, vals in stats.items():

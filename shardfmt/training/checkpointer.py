@@ -83,7 +83,8 @@ class Checkpointer:
     Knobs are given as ``options`` (a ``CheckpointerOptions``, where their defaults live) and/or
     as keywords that set its fields: ``keep_last``, ``keep_every``, ``config``,
     ``allow_fresh_start``, ``storage_options``, ``process_group``, ``timeout``, ``lease_seconds``,
-    ``mesh``, ``incremental``, ``full_every``, ``archive`` (a URL), ``archive_every``,
+    ``mesh``, ``incremental``, ``full_every``, ``every``, ``mtbf``, ``restart_cost``,
+    ``data_fingerprint``, ``save_grads``, ``archive`` (a URL), ``archive_every``,
     ``archive_storage_options``, ``archive_attempts``, ``archive_backoff`` (``options.KEYWORDS``
     maps them to the fields).
     """
@@ -116,6 +117,7 @@ class Checkpointer:
         self._last_call: float | None = None
         self._next_due: int | None = None
         self.restored_step: int | None = None  # what the last restore resumed from (loggers rewind to it)
+        self.restored_metadata: Any = None  # and the metadata its save was given (a micro-step counter, ...)
         ref = weakref.ref(self)
         at_exit(lambda: ref() is not None and ref()._wait_quietly())
 
@@ -144,7 +146,7 @@ class Checkpointer:
             die(self._saves_asked, self._ranks.rank())
         self._warn_mid_step(state)
         sd, meta = for_save(state, config=self.options.config, user_metadata=metadata, ranks=self._ranks,
-                            data_fingerprint=self.options.data_fingerprint)
+                            data_fingerprint=self.options.data_fingerprint, grads=self.options.save_grads)
         st = self.stats  # this run's saves before this one (this one's own end is not known yet)
         if st.saves:
             last = st.saves[-1]
@@ -241,7 +243,7 @@ class Checkpointer:
     def _warn_mid_step(self, state: Mapping[str, Any]) -> None:
         """Warn once if a model holds pending (non-zero) gradients: they are not saved (``midstep``)."""
         self._grad_watch.watch(state)
-        if self._warned_mid_step:
+        if self._warned_mid_step or self.options.save_grads:  # saved: nothing to lose
             return
         try:
             names = pending_grads(state, self._grad_watch)
@@ -368,11 +370,11 @@ class Checkpointer:
         raise_root_error(choice)  # not a root, or one that cannot be listed (no access): not "no checkpoints"
         self._root_checked = True
         try:
-            got = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
-                                      config=self.options.config,
-                                      data=data_identity(state, self.options.data_fingerprint),
-                                      allow_fresh_start=self.options.allow_fresh_start and step is None,
-                                      allow_mismatch=allow_mismatch)
+            restored = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
+                                           config=self.options.config,
+                                           data=data_identity(state, self.options.data_fingerprint),
+                                           allow_fresh_start=self.options.allow_fresh_start and step is None,
+                                           allow_mismatch=allow_mismatch, grads=self.options.save_grads)
         except CheckpointNotFoundError as e:
             if step is None:
                 raise
@@ -380,7 +382,9 @@ class Checkpointer:
                                           f"aside): {e}") from None
         if step is not None:
             self._set_aside_after(step)
+        got = restored.step if restored is not None else None
         self.restored_step = got
+        self.restored_metadata = restored.metadata if restored is not None else None
         if got is not None:
             self._restores = (self._restores + [time.perf_counter() - t0])[-MAX_KEPT:]
             log.info("shardfmt: restored step %d in %.3f s", got, self._restores[-1])

@@ -25,6 +25,7 @@ from shardfmt.format.manifest import Manifest
 from shardfmt.layout.state import IfSaved, PerRank
 from shardfmt.training import rng
 from shardfmt.training.compat import config_hash
+from shardfmt.training.grads import GRADS_KEY, apply_grads, grad_slots, holds_grads, set_grads
 from shardfmt.training.ranks import Ranks
 from shardfmt.training.train_state import optimizer_state_dict, set_optimizer_state
 
@@ -115,10 +116,13 @@ def data_identity(state: Mapping[str, Any], fingerprint: Any = None) -> dict:
 
 
 def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks: Ranks,
-             data_fingerprint: Any = None) -> tuple[dict, dict]:
+             data_fingerprint: Any = None, grads: bool = False) -> tuple[dict, dict]:
     """Return (the state dict to save, its metadata): every entry, this rank's RNG states, and
-    what restore checks. Raises StateDictError when the ranks' sampler cursors differ."""
+    what restore checks (``grads``: and the models' set gradients, ``training.grads``). Raises
+    StateDictError when the ranks' sampler cursors differ."""
     sd, signature, fresh_optims = state_dicts(state)
+    if grads and (held := set_grads(state)):
+        sd[GRADS_KEY] = held
     samplers = [v for v in state.values() if hasattr(v, "advance") and hasattr(v, "consumed")]
     if samplers and ranks.distributed():
         seen = ranks.all_gather([int(s.consumed) for s in samplers])
@@ -133,10 +137,13 @@ def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks
     return sd, meta
 
 
-def for_restore(state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
-    """Return ``state_dicts(state)`` with a slot for this rank's saved RNG states (None if none)."""
+def for_restore(state: Mapping[str, Any], *, grads: bool = False) -> tuple[dict, dict, set[str]]:
+    """Return ``state_dicts(state)`` with a slot for this rank's saved RNG states (None if none)
+    and, with ``grads``, one for each model parameter's saved gradient (``training.grads``)."""
     sd, signature, fresh_optims = state_dicts(state)
     sd[RNG_KEY] = PerRank(None)
+    if grads:
+        sd[GRADS_KEY] = grad_slots(state)
     return sd, signature, fresh_optims
 
 
@@ -148,11 +155,13 @@ def materialize(state: Mapping[str, Any]) -> None:
 
 
 def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Manifest, *,
-          fresh_optims: set[str], dirty: bool = False, world: int) -> None:
-    """Load the loaded ``sd`` into ``state``'s entries and the RNG; warn about entries on one side only.
+          fresh_optims: set[str], dirty: bool = False, world: int, grads: bool = False) -> Any:
+    """Load the loaded ``sd`` into ``state``'s entries and the RNG; warn about entries on one side
+    only; return the metadata the checkpoint's save was given.
 
     ``dirty``: a checkpoint given up before wrote into the state (entries missing here may hold
-    its data). ``report``: ``load``'s report (its unexpected keys).
+    its data). ``report``: ``load``'s report (its unexpected keys). ``grads``: set the models'
+    gradients to the loaded ones (``for_restore(grads=True)``).
     """
     meta = jsonvalue.decode(manifest.metadata, where="metadata") or {}
     meta = meta if isinstance(meta, dict) else {}
@@ -160,6 +169,12 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
     same_world = manifest.topology.world_size == world
     _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []),
                   same_world=same_world, saved_world=manifest.topology.world_size)
+    if grads:
+        apply_grads(state, sd.get(GRADS_KEY, {}))
+    elif holds_grads(report.unexpected):
+        warnings.warn(f"step {manifest.step} was saved with the gradients of a step not yet applied "
+                      "(save_grads=True); restored without them (Checkpointer(save_grads=True) restores them), "
+                      "the resumed run redoes that step from its first micro-step", stacklevel=4)
     rng_state = sd[RNG_KEY].value
     if rng_state is not None:
         rng.restore(rng_state)
@@ -167,6 +182,7 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
         warnings.warn(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
                       f"{world}: RNG streams start fresh", stacklevel=4)
     _warn_unmatched(state, saved_entries, report, dirty=dirty)
+    return meta.get("user")
 
 
 def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *, fresh_optims: set[str],

@@ -88,8 +88,8 @@ def mid_step_message(names: list[str]) -> str:
     return (f"saving while gradients are pending ({', '.join(names)}{' ...' if len(names) >= 3 else ''}): "
             "produced after the optimizer's last step(), as in a gradient accumulation not yet applied or a "
             "save between backward() and optimizer.step(). A checkpoint holds no gradients: a run resumed "
-            "from it redoes this step from its first micro-step. Save after optimizer.step() (this warning "
-            "is given once per Checkpointer)")
+            "from it redoes this step from its first micro-step. Save after optimizer.step(), or save the "
+            "gradients too with Checkpointer(save_grads=True) (this warning is given once per Checkpointer)")
 
 
 __all__ = ["GradWatch", "mid_step_message", "pending_grads"]

@@ -70,6 +70,9 @@ class CheckpointerOptions:
     failures, and ``restart_cost``) is what ``maybe_save`` applies. ``data_fingerprint`` (any
     typed JSON: a digest of the data's file list, a dataset version) is saved, and a restore into
     a job whose fingerprint differs is refused (as for each data entry's length or version).
+    ``save_grads`` saves the models' set gradients with each checkpoint and restores them (or
+    clears them, where the checkpoint holds none): a save in the middle of a gradient
+    accumulation then resumes exactly (``training.grads``).
     """
 
     retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
@@ -87,6 +90,7 @@ class CheckpointerOptions:
     mtbf: float | None = None
     restart_cost: float | None = None
     data_fingerprint: Any = None
+    save_grads: bool = False
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every != "auto":

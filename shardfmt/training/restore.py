@@ -40,6 +40,7 @@ from shardfmt.errors import (
     StorageError,
 )
 from shardfmt.io.store import Storage
+from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.compat import check_compat
 from shardfmt.training.entries import apply, for_restore, optimizer_signature
@@ -52,7 +53,7 @@ from shardfmt.training.roots import (
     root_parent,
     step_paths,
 )
-from shardfmt.training.sanity import mismatches
+from shardfmt.training.sanity import check_values
 
 FAILURES = (ShardfmtError, OSError)
 _ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
@@ -188,10 +189,19 @@ class _Attempt:
     report: Any = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Restored:
+    """What a restore resumed from: the checkpoint's step and the metadata its save was given."""
+
+    step: int
+    metadata: Any = None
+
+
 def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, archive: Tier | None,
                         ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool,
-                        data: Mapping[str, Any] | None = None) -> int | None:
-    """Restore the first candidate of ``choice`` every rank loads; return its step (None: none).
+                        data: Mapping[str, Any] | None = None, grads: bool = False) -> Restored | None:
+    """Restore the first candidate of ``choice`` every rank loads (``grads``: the models'
+    gradients too, ``training.grads``); return what it resumed from (None: nothing).
 
     Steps 2) to 4) of the module docstring; every rank calls it with the same ``choice``.
     """
@@ -201,7 +211,8 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         url = tier.storage.url(path)
         if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
             raise FormatVersionError(_newer_than_restorable(url, step, unsupported))
-        attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch, data=data)
+        attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch, data=data,
+                        grads=grads)
         dirty = dirty or attempt.partial
         failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
         if failing:
@@ -209,17 +220,14 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
             dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
             _give_up(tier, path, failing, ranks)
             continue
-        bad = [] if allow_mismatch else mismatches(attempt.sd, attempt.manifest, ranks)  # every rank, after all loaded
-        if bad:
-            raise IntegrityError(f"restoring {url}: the loaded values do not match the statistics saved with them "
-                                 f"(a wrong cast or a wrong target; nothing was quarantined; allow_mismatch=True "
-                                 f"skips this check): " + "; ".join(bad[:3]))
+        if not allow_mismatch:  # every rank, once all have loaded
+            _check_values(url, attempt, ranks)
         if tier.name == "archive":
             warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)
-        apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
-              dirty=dirty, world=ranks.world())
-        return step
+        user = apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
+                     dirty=dirty, world=ranks.world(), grads=grads)
+        return Restored(step=step, metadata=user)
     if choice["any"] and any(ranks.all_gather(dirty)):
         raise CheckpointNotFoundError(
             f"{root.storage.url(root.root)}: checkpoints exist but none is valid, and the failed attempts "
@@ -232,10 +240,25 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
     return None
 
 
+def _check_values(url: str, attempt: _Attempt, ranks: Ranks) -> None:
+    """Fail the restore, on every rank, when the loaded values do not match the statistics saved
+    with them (``training.sanity``)."""
+    check = check_values(attempt.report.value_stats, attempt.manifest, ranks)
+    if check.bad:
+        raise IntegrityError(f"restoring {url}: the loaded values do not match the statistics saved with them "
+                             f"(a wrong cast or a wrong target; nothing was quarantined; allow_mismatch=True "
+                             f"skips this check): " + "; ".join(check.bad[:3]))
+    if check.checked or check.unchecked:
+        log.info("%s: the loaded values of %d tensor(s) match their saved statistics; %d not checked%s", url,
+                 len(check.checked), len(check.unchecked),
+                 f" (e.g. {', '.join(check.unchecked[:3])}: not loaded, or loaded as slices whose copies the "
+                 "ranks cannot tell apart)" if check.unchecked else "")
+
+
 def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, config: Any,
-          allow_mismatch: bool, data: Mapping[str, Any] | None = None) -> _Attempt:
+          allow_mismatch: bool, data: Mapping[str, Any] | None = None, grads: bool = False) -> _Attempt:
     """Load this rank's slices of the checkpoint at ``path`` into fresh state dicts of ``state``."""
-    sd, signature, fresh_optims = for_restore(state)
+    sd, signature, fresh_optims = for_restore(state, grads=grads)
     storage = tier.storage
     try:
         try:
@@ -245,8 +268,8 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
         except BaseException:  # the other ranks may be loading: join them, as a failed rank
             skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
             raise
-        report = load(sd, storage.url(path), strict=False, per_rank="skip",
-                      process_group=ranks.process_group, storage_options=tier.storage_options)
+        report = load(sd, storage.url(path), strict=False, per_rank="skip", process_group=ranks.process_group,
+                      storage_options=tier.storage_options, options=LoadOptions(value_stats=not allow_mismatch))
     except CompatibilityError:
         raise
     except FAILURES as e:

@@ -41,5 +41,71 @@ def loader_restore(rank, world, args):
             "warnings": [str(w.message) for w in caught if "cannot be resharded" in str(w.message)]}
 
 
+def _values_state(world: int, placement: str):
+    """A DTensor matrix (placed as ``placement`` on a 1-d mesh of every rank), a replicated DTensor
+    vector and a plain tensor, the same values on every rank; ``placement="empty..."``: zeros."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    g = torch.Generator().manual_seed(3)
+    w, v, b = torch.randn(64, 48, generator=g), torch.randn(40, generator=g), torch.randn(48, generator=g)
+    place = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}[placement.removeprefix("empty-")]
+    if placement.startswith("empty-"):
+        w, v, b = torch.zeros_like(w), torch.zeros_like(v), torch.zeros_like(b)
+    m = torch.nn.Module()
+    m.register_parameter("w", torch.nn.Parameter(distribute_tensor(w, mesh, [place]), requires_grad=False))
+    m.register_parameter("v", torch.nn.Parameter(distribute_tensor(v, mesh, [Replicate()]), requires_grad=False))
+    m.register_buffer("b", b)
+    return m
+
+
+@job
+def values_check(rank, world, args):
+    """Save on a 1-d mesh with ``w`` sharded by rows; load it placed as ``args["into"]`` and compare
+    the ranks' summed statistics with the saved ones; ``args["flip_on"]``: that rank's loader
+    reverses the rows of every strided copy it makes (a loader bug the digests cannot see)."""
+    from shardfmt.api import load
+    from shardfmt.errors import IntegrityError
+    from shardfmt.loading import executor
+    from shardfmt.loading.options import LoadOptions
+    from shardfmt.training.ranks import Ranks
+    from shardfmt.training.sanity import check_values
+
+    if args["save"]:
+        shardfmt.Checkpointer(args["root"]).save(1, {"m": _values_state(world, "shard0")})
+    dist.barrier()
+    if args.get("flip_on") == rank:
+        real = executor._src_view
+        executor._src_view = lambda *a: real(*a).flip(0)
+    back = {"m": _values_state(world, "empty-" + args["into"]).state_dict()}
+    path = args["root"] + "/step_000000001"
+    rep = load(back, path, options=LoadOptions(value_stats=True))
+    check = check_values(rep.value_stats, shardfmt.read_manifest(path), Ranks(None))
+    try:
+        shardfmt.Checkpointer(args["root"]).restore({"m": _values_state(world, "empty-" + args["into"])})
+        error = None
+    except IntegrityError as e:
+        error = str(e)
+    return {"checked": list(check.checked), "unchecked": list(check.unchecked), "bad": list(check.bad),
+            "restore_error": error}
+
+
+@job
+def grads_save(rank, world, args):
+    """A model whose weight is a DTensor split by rows, a gradient accumulated in it: saved with
+    ``save_grads`` on ``world`` ranks; returns the whole gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    m = torch.nn.Module()
+    w = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) / 100
+    m.register_parameter("w", torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])))
+    (m.w * m.w).sum().backward()
+    shardfmt.Checkpointer(args["root"], save_grads=True).save(3, {"model": m}, metadata={"micro_step": 1})
+    return {"grad": m.w.grad.full_tensor().tolist()}
+
+
 if __name__ == "__main__":
     main()

@@ -61,6 +61,49 @@ def box_stats(data: torch.Tensor, offsets: Sequence[int]) -> tuple[float, float,
     return s, q, w
 
 
+def run_stats(run: torch.Tensor, start: int, shape: Sequence[int], offsets: Sequence[int]) -> tuple[float, float, float]:
+    """(sum, sumsq, rows) of a run of a box's elements: ``run`` (1-D) holds the elements
+    ``start, start + 1, ...`` of the box (``shape``, at ``offsets``) in row-major order. What a
+    reader sums as each piece of a box lands, in whatever pieces: the runs of a partition of a
+    box add up to ``box_stats`` of the box (to rounding)."""
+    n = run.numel()
+    if n == 0:
+        return 0.0, 0.0, 0.0
+    if len(shape) == 0:
+        return box_stats(run.reshape(()), ())
+    if len(shape) == 1:
+        return _vector_stats(run, int(offsets[0]) + start)
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    row, col = divmod(start, inner)
+    row += int(offsets[0])
+    out = [0.0, 0.0, 0.0]
+    head = min(n, inner - col) if col else 0
+    if head:  # the end of a row begun in an earlier run
+        _add_to(out, _row_stats(run[:head], row))
+        row += 1
+    m = (n - head) // inner
+    if m:
+        _add_to(out, box_stats(run[head:head + m * inner].view(m, inner), (row, 0)))
+        row += m
+    if head + m * inner < n:  # the start of a row a later run ends
+        _add_to(out, _row_stats(run[head + m * inner:], row))
+    return out[0], out[1], out[2]
+
+
+def _row_stats(part: torch.Tensor, row: int) -> tuple[float, float, float]:
+    """Part of one row (``row``: its index along dimension 0)."""
+    p = _as_float(part)
+    s = float(p.sum())
+    return s, float(torch.dot(p, p)), s * (1 + row % 7)
+
+
+def _add_to(acc: list[float], vals: Sequence[float]) -> None:
+    for i, v in enumerate(vals):
+        acc[i] += v
+
+
 def _as_float(p: torch.Tensor) -> torch.Tensor:
     """A piece in the precision its sums are taken in: float64 for float64 and integer tensors
     (large integers, timestamps: float32 would round or overflow), float32 for the rest."""
@@ -134,4 +177,4 @@ def from_extension_value(value) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-__all__ = ["EXTENSION", "NSTATS", "add", "as_extension_value", "box_stats", "close", "from_extension_value"]
+__all__ = ["EXTENSION", "NSTATS", "add", "as_extension_value", "box_stats", "close", "from_extension_value", "run_stats"]
