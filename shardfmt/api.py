@@ -22,6 +22,7 @@ from shardfmt.format.stats import from_extension_value
 from shardfmt.io.registry import get_storage
 from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
+from shardfmt.loading.phases import PhaseClock
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load
 from shardfmt.loading.resolve import resolve, with_rank_values
@@ -49,6 +50,9 @@ class LoadReport:
     metadata_reads: int = 0
     # with LoadOptions.value_stats: fqn -> (sum, sumsq, rows, elements) of the values this rank answers for
     value_stats: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    # seconds: "open" (the manifest, this rank's index, the headers), "plan" (the state sorted, the
+    # reads planned and agreed), "read" (the reads, each chunk hashed as it lands, the values set)
+    phases: Mapping[str, float] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- save
@@ -172,39 +176,48 @@ def load(
     storage, where = get_storage(path, storage_options)
     opts = opts.for_storage(storage)
     group = _share_group(opts, process_group)
+    clock = PhaseClock()
     try:
-        ckpt = open_checkpoint(where, storage=storage, whole=False)
-        m = ckpt.manifest
-        rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)
-        opened = storage.stats.snapshot()
-        m = with_rank_values(storage, ckpt.path, m, rank)
-        request = request_load(state_dict, m, opts, rank=rank, world_size=world_size, source=ckpt.path)
-        m = resolve(storage, ckpt.path, m, [t.src for t in request.targets], verify=opts.verify)  # v2: what it reads
-        plan = plan_reads(m, request.targets, opts, remote=storage.remote)
-        targets = allocate_view_buffers(storage, ckpt.path, m, plan, request.targets)
-        if opts.verify and m.format_version == 1:  # v2: resolve checked the headers it read
-            check_headers(storage, ckpt.path, m, plan.shards)
+        with clock("open"):
+            ckpt = open_checkpoint(where, storage=storage, whole=False)
+            m = ckpt.manifest
+            rank, world_size = rank_and_world(rank, process_group, m, ckpt.path)
+            opened = storage.stats.snapshot()
+            m = with_rank_values(storage, ckpt.path, m, rank)
+        with clock("plan"):
+            request = request_load(state_dict, m, opts, rank=rank, world_size=world_size, source=ckpt.path)
+        with clock("open"):
+            m = resolve(storage, ckpt.path, m, [t.src for t in request.targets], verify=opts.verify)  # v2: what it reads
+        with clock("plan"):
+            plan = plan_reads(m, request.targets, opts, remote=storage.remote)
+        with clock("open"):
+            targets = allocate_view_buffers(storage, ckpt.path, m, plan, request.targets)
+            if opts.verify and m.format_version == 1:  # v2: resolve checked the headers it read
+                check_headers(storage, ckpt.path, m, plan.shards)
     except BaseException:
         if group is not None:  # the other ranks are in the agreement: join it, failed, so none waits
             agree(None, None, group)
         raise
-    share = agree(plan, m.save_id, group) if group is not None else None
+    with clock("plan"):
+        share = agree(plan, m.save_id, group) if group is not None else None
     before = storage.stats.snapshot()
     saved_stats = m.extensions.get(STATS_EXTENSION) if opts.value_stats else None
     tally = Tally(targets, from_extension_value(saved_stats.value)) if saved_stats is not None else None
     try:
-        executor = Executor(storage, ckpt.path, targets, opts, tally=tally)
-        if share is not None:
-            executor.run_shared(plan, share)
-        else:
-            executor.run(plan)
+        with clock("read"):
+            executor = Executor(storage, ckpt.path, targets, opts, tally=tally)
+            if share is not None:
+                executor.run_shared(plan, share)
+            else:
+                executor.run(plan)
     except ShardfmtError as e:
         err = type(e)(f"{e} (the load stopped: the tensors being loaded may hold part of the "
                       "checkpoint's data and must not be used)")
         err.partial_load = True  # the targets were written to (Checkpointer.restore must not start fresh)
         raise err from None
-    copy_views(targets)
-    loaded = finish(request)
+    with clock("read"):
+        copy_views(targets)
+        loaded = finish(request)
     after = storage.stats.snapshot()
     requested = set(loaded)
     return LoadReport(
@@ -216,4 +229,5 @@ def load(
         metadata_bytes_read=before["bytes_read"] - opened["bytes_read"],
         metadata_reads=before["read_requests"] - opened["read_requests"],
         value_stats=tally.result() if tally is not None else {},
+        phases=dict(clock.seconds),
     )

@@ -236,3 +236,19 @@ def test_the_restore_check_benchmark_runs_and_each_restore_it_times_is_bit_exact
                                      "warm checked/floor.read"}
     assert len(report["records"]) == 2 and report["state_bytes"] == 2 * (2048 * 2048 + 2048) * 4
     assert os.listdir(tmp_path) == ["check.json"]  # the scratch is removed
+
+
+@pytest.mark.slow
+def test_the_restore_timeline_benchmark_times_both_restores_phase_by_phase(tmp_path):
+    """``benchmarks/restore_timeline.py`` at 32 MiB, 1 round: both restores are bit-exact (it
+    asserts so) and each reports every phase, the read the largest part of its total."""
+    from benchmarks import restore_timeline
+
+    out = tmp_path / "timeline.json"
+    restore_timeline.main(["--size-mib", "32", "--rounds", "1", "--warmup", "0", "--dir", str(tmp_path),
+                           "--json", str(out)])
+    med = json.loads(out.read_text())["medians"]
+    for name in ("shardfmt", "dcp"):
+        assert set(med[name]) == {"discover", "open", "plan", "read", "verify", "apply", "total"}
+        assert 0 < med[name]["read"] <= med[name]["total"]
+    assert os.listdir(tmp_path) == ["timeline.json"]

@@ -181,6 +181,32 @@ def test_the_checkpointer_measures_its_saves_and_restores_and_suggests_an_interv
     assert len(fresh.stats.restores) == 1 and fresh.stats.restore > 0
 
 
+def test_a_restore_reports_where_its_time_went_phase_by_phase(tmp_path, monkeypatch, caplog):
+    """``stats.restores[-1].phases``: discover, open, plan, read, verify, apply; a phase made slow
+    shows in its own line and nowhere else, and the phases add up to at most the whole."""
+    import logging
+    import time
+
+    from shardfmt.loading import executor
+    from shardfmt.training import entries
+
+    root = str(tmp_path / "root")
+    shardfmt.Checkpointer(root).save(1, {"model": torch.nn.Linear(256, 256)})
+    slow = {"read": (executor.Executor, "run"), "apply": (entries, "_load_entries")}
+    for phase, (owner, name) in slow.items():
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, **k: time.sleep(0.3) or real(*a, **k))
+        ck = shardfmt.Checkpointer(root)
+        with caplog.at_level(logging.INFO, logger="shardfmt"):
+            assert ck.restore({"model": torch.nn.Linear(256, 256)}) == 1
+        cost = ck.stats.restores[-1]
+        assert list(cost.phases) == ["discover", "open", "plan", "read", "verify", "apply"]
+        assert cost.phases[phase] >= 0.3 and all(v < 0.3 for p, v in cost.phases.items() if p != phase), cost
+        assert sum(cost.phases.values()) <= cost.seconds
+        assert f"{phase} {cost.phases[phase]:.3f} s" in caplog.text
+        monkeypatch.undo()
+
+
 def test_maybe_save_every_n_steps_and_every_auto(tmp_path, monkeypatch):
     from shardfmt.training import checkpointer as ckmod
     from shardfmt.training.interval import Interval

@@ -49,11 +49,20 @@ from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import CheckpointNotFoundError, StateDictError, StorageError
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import io_stats
+from shardfmt.loading.phases import PhaseClock
 from shardfmt.saving.async_save import async_save, at_exit
 from shardfmt.training.archiving import Archiver
 from shardfmt.training.drill import die, drill_archive, drill_root, kill_due
 from shardfmt.training.entries import data_identity, for_save, materialize
-from shardfmt.training.interval import Interval, SaveCost, Stats, steps_for, suggest
+from shardfmt.training.interval import (
+    RESTORE_PHASES,
+    Interval,
+    RestoreCost,
+    SaveCost,
+    Stats,
+    steps_for,
+    suggest,
+)
 from shardfmt.training.midstep import GradWatch, mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
@@ -112,7 +121,7 @@ class Checkpointer:
         self._grad_watch = GradWatch()  # optimizer steps: which gradients were applied (``midstep``)
         self._saves_asked = 0
         self._costs: list[SaveCost] = []
-        self._restores: list[float] = []
+        self._restores: list[RestoreCost] = []
         self._step_times: list[float] = []  # seconds between maybe_save calls (every="auto")
         self._last_call: float | None = None
         self._next_due: int | None = None
@@ -361,12 +370,14 @@ class Checkpointer:
         self._next_due, self._last_call = None, None  # every="auto": measured again from here
         materialize(state)
         ranks = self._ranks
-        choice = None
-        if ranks.rank() == 0:
-            choice = choose(self._check_root, self._tier, self._archive_tier)
-            if step is not None:
-                choice = only_step(choice, step, self._tier)
-        choice = ranks.broadcast(choice)
+        clock = PhaseClock()
+        with clock("discover"):
+            choice = None
+            if ranks.rank() == 0:
+                choice = choose(self._check_root, self._tier, self._archive_tier)
+                if step is not None:
+                    choice = only_step(choice, step, self._tier)
+            choice = ranks.broadcast(choice)
         raise_root_error(choice)  # not a root, or one that cannot be listed (no access): not "no checkpoints"
         self._root_checked = True
         try:
@@ -374,7 +385,7 @@ class Checkpointer:
                                            config=self.options.config,
                                            data=data_identity(state, self.options.data_fingerprint),
                                            allow_fresh_start=self.options.allow_fresh_start and step is None,
-                                           allow_mismatch=allow_mismatch, grads=self.options.save_grads)
+                                           allow_mismatch=allow_mismatch, grads=self.options.save_grads, clock=clock)
         except CheckpointNotFoundError as e:
             if step is None:
                 raise
@@ -386,8 +397,11 @@ class Checkpointer:
         self.restored_step = got
         self.restored_metadata = restored.metadata if restored is not None else None
         if got is not None:
-            self._restores = (self._restores + [time.perf_counter() - t0])[-MAX_KEPT:]
-            log.info("shardfmt: restored step %d in %.3f s", got, self._restores[-1])
+            cost = RestoreCost(step=got, seconds=time.perf_counter() - t0,
+                               phases={p: clock.seconds.get(p, 0.0) for p in RESTORE_PHASES})
+            self._restores = (self._restores + [cost])[-MAX_KEPT:]
+            log.info("shardfmt: restored step %d in %.3f s (%s)", got, cost.seconds,
+                     ", ".join(f"{p} {v:.3f} s" for p, v in cost.phases.items()))
         return got
 
     def _set_aside_after(self, step: int) -> None:

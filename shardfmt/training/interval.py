@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,12 +34,31 @@ class SaveCost:
     bytes: int
 
 
+RESTORE_PHASES = ("discover", "open", "plan", "read", "verify", "apply")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreCost:
+    """One restore as the Checkpointer measured it: ``seconds`` in all, and ``phases``, the
+    seconds of each of ``RESTORE_PHASES`` (summed over the checkpoints tried, when one was
+    given up): ``discover``, choosing the checkpoint (listing the root, reading its markers,
+    telling every rank); ``open``, its manifest (compatibility checked) and this rank's index;
+    ``plan``, the state sorted against it and the reads planned; ``read``, the reads, each
+    chunk hashed and checked as it lands (the digests' verification is inside the read pass,
+    as are the values' sums); ``verify``, the ranks agreeing that every one loaded and the
+    loaded values' statistics compared; ``apply``, the non-tensor state applied."""
+
+    step: int
+    seconds: float
+    phases: Mapping[str, float] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stats:
     """What this Checkpointer's saves and restores cost (this rank's view), newest last."""
 
     saves: tuple[SaveCost, ...] = ()
-    restores: tuple[float, ...] = ()  # seconds each restore took
+    restores: tuple[RestoreCost, ...] = ()
 
     @property
     def blocked(self) -> float | None:
@@ -53,7 +72,8 @@ class Stats:
 
     @property
     def restore(self) -> float | None:
-        return statistics.median(self.restores) if self.restores else None
+        """The median seconds a restore took."""
+        return statistics.median(r.seconds for r in self.restores) if self.restores else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,4 +127,4 @@ def steps_for(seconds: float, step_times: Sequence[float]) -> int:
     return max(1, round(seconds / per)) if per > 0 else 1
 
 
-__all__ = ["Interval", "SaveCost", "Stats", "daly", "steps_for", "suggest", "young"]
+__all__ = ["RESTORE_PHASES", "Interval", "RestoreCost", "SaveCost", "Stats", "daly", "steps_for", "suggest", "young"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
@@ -41,6 +42,7 @@ from shardfmt.errors import (
 )
 from shardfmt.io.store import Storage
 from shardfmt.loading.options import LoadOptions
+from shardfmt.loading.phases import PhaseClock
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.compat import check_compat
 from shardfmt.training.entries import apply, for_restore, optimizer_signature
@@ -199,12 +201,16 @@ class Restored:
 
 def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, archive: Tier | None,
                         ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool,
-                        data: Mapping[str, Any] | None = None, grads: bool = False) -> Restored | None:
+                        data: Mapping[str, Any] | None = None, grads: bool = False,
+                        clock: PhaseClock | None = None) -> Restored | None:
     """Restore the first candidate of ``choice`` every rank loads (``grads``: the models'
-    gradients too, ``training.grads``); return what it resumed from (None: nothing).
+    gradients too, ``training.grads``); return what it resumed from (None: nothing). ``clock``
+    gets the seconds of the phases ``open``, ``plan``, ``read``, ``verify`` and ``apply``
+    (``interval.RestoreCost``).
 
     Steps 2) to 4) of the module docstring; every rank calls it with the same ``choice``.
     """
+    clock = clock if clock is not None else PhaseClock()
     dirty = False  # this rank's state holds data of a checkpoint that was then given up
     for step, tier_name, path, unsupported in choice["candidates"]:
         tier = root if tier_name == "root" else archive
@@ -212,21 +218,24 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
             raise FormatVersionError(_newer_than_restorable(url, step, unsupported))
         attempt = _load(state, tier, path, ranks=ranks, config=config, allow_mismatch=allow_mismatch, data=data,
-                        grads=grads)
+                        grads=grads, clock=clock)
         dirty = dirty or attempt.partial
-        failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
+        with clock("verify"):
+            failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
         if failing:
             _raise_unless_the_checkpoints_fault(url, failing)
             dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
             _give_up(tier, path, failing, ranks)
             continue
         if not allow_mismatch:  # every rank, once all have loaded
-            _check_values(url, attempt, ranks)
+            with clock("verify"):
+                _check_values(url, attempt, ranks)
         if tier.name == "archive":
             warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)
-        user = apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
-                     dirty=dirty, world=ranks.world(), grads=grads)
+        with clock("apply"):
+            user = apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
+                         dirty=dirty, world=ranks.world(), grads=grads)
         return Restored(step=step, metadata=user)
     if choice["any"] and any(ranks.all_gather(dirty)):
         raise CheckpointNotFoundError(
@@ -256,20 +265,30 @@ def _check_values(url: str, attempt: _Attempt, ranks: Ranks) -> None:
 
 
 def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, config: Any,
-          allow_mismatch: bool, data: Mapping[str, Any] | None = None, grads: bool = False) -> _Attempt:
+          allow_mismatch: bool, clock: PhaseClock, data: Mapping[str, Any] | None = None,
+          grads: bool = False) -> _Attempt:
     """Load this rank's slices of the checkpoint at ``path`` into fresh state dicts of ``state``."""
-    sd, signature, fresh_optims = for_restore(state, grads=grads)
+    with clock("open"):
+        sd, signature, fresh_optims = for_restore(state, grads=grads)
     storage = tier.storage
     try:
         try:
-            manifest = open_checkpoint(path, storage=storage).manifest
-            check_compat(path, manifest, config=config, signature=signature,
-                         optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch, data=data)
+            with clock("open"):
+                manifest = open_checkpoint(path, storage=storage).manifest
+                check_compat(path, manifest, config=config, signature=signature,
+                             optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch, data=data)
         except BaseException:  # the other ranks may be loading: join them, as a failed rank
             skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
             raise
-        report = load(sd, storage.url(path), strict=False, per_rank="skip", process_group=ranks.process_group,
-                      storage_options=tier.storage_options, options=LoadOptions(value_stats=not allow_mismatch))
+        t0 = time.perf_counter()
+        try:
+            report = load(sd, storage.url(path), strict=False, per_rank="skip", process_group=ranks.process_group,
+                          storage_options=tier.storage_options, options=LoadOptions(value_stats=not allow_mismatch))
+        except BaseException:
+            clock.add("read", time.perf_counter() - t0)  # a failed load: its time, all counted as reading
+            raise
+        for name, seconds in report.phases.items():
+            clock.add(name, seconds)
     except CompatibilityError:
         raise
     except FAILURES as e:
