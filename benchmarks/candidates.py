@@ -26,6 +26,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +107,22 @@ def sf_async(c: Call, stage: str = "call") -> dict:
 def sf_load(c: Call, max_gap: int | None = None, share_reads: bool | None = None) -> dict:
     rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap, share_reads=share_reads)
     return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests}
+
+
+def io_mode(mode: str, run: Callable[[Call], Any]) -> Callable[[Call], Any]:
+    """``run`` with shardfmt's large transfers forced around the page cache (``direct``) or
+    through it (``buffered``): ``SHARDFMT_DIRECT_IO`` set for the call (read at each use)."""
+    def call(c: Call) -> Any:
+        old = os.environ.get("SHARDFMT_DIRECT_IO")
+        os.environ["SHARDFMT_DIRECT_IO"] = "1" if mode == "direct" else "0"
+        try:
+            return run(c)
+        finally:
+            if old is None:
+                del os.environ["SHARDFMT_DIRECT_IO"]
+            else:
+                os.environ["SHARDFMT_DIRECT_IO"] = old
+    return call
 
 
 # ----------------------------------------------------------------------------- DCP
@@ -321,6 +338,10 @@ def _all() -> list[Candidate]:
                   exact_check=False),
         Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save", after=chunk_needed),
         Candidate(name="shardfmt.load.v1", kind=L, run=sf_load, reads="shardfmt.save.v1"),
+        *[Candidate(name=f"shardfmt.save@{m}", kind=S, run=io_mode(m, sf_save), makes_dir=False)
+          for m in ("direct", "buffered")],
+        *[Candidate(name=f"shardfmt.load@{m}", kind=L, run=io_mode(m, sf_load), reads="shardfmt.save",
+                    after=chunk_needed) for m in ("direct", "buffered")],
         *[Candidate(name=f"shardfmt.load@gap={label}", kind=L, run=functools.partial(sf_load, max_gap=gap),
                     reads="shardfmt.save", after=chunk_needed) for label, gap in (("0", 0), ("1MiB", 1 << 20))],
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),

@@ -11,7 +11,7 @@ leaves, so a failed load never leaves half-applied non-tensor state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,7 @@ from shardfmt.format.manifest import Manifest
 from shardfmt.format.stats import EXTENSION as STATS_EXTENSION
 from shardfmt.format.stats import from_extension_value
 from shardfmt.io.registry import get_storage
-from shardfmt.loading.executor import Executor
+from shardfmt.loading.executor import Executor, release
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.phases import PhaseClock
 from shardfmt.loading.reader import check_headers, open_checkpoint
@@ -53,6 +53,9 @@ class LoadReport:
     # seconds: "open" (the manifest, this rank's index, the headers), "plan" (the state sorted, the
     # reads planned and agreed), "read" (the reads, each chunk hashed as it lands, the values set)
     phases: Mapping[str, float] = field(default_factory=dict)
+    # (file, start, end): bytes read through the page cache that other ranks of the node may read
+    # too, left cached (the rest is dropped as read); ``release_cached`` drops them once all have
+    cached: tuple[tuple[str, int, int], ...] = ()
 
 
 # ----------------------------------------------------------------------------- save
@@ -119,6 +122,15 @@ def save(
 def _share_group(opts: LoadOptions, process_group):
     """The gloo group a load agrees its shared reads on (``loading.shared``), or None."""
     return control_group(process_group) if opts.share_reads and in_distributed_job(process_group) else None
+
+
+def release_cached(path: str, cached: Sequence[tuple[str, int, int]], *, storage_options: dict | None = None) -> None:
+    """Drop from the page cache the bytes a load of the checkpoint at ``path`` left there
+    (``LoadReport.cached``: bytes other ranks of the node may read too). Call it once every
+    rank of the node has loaded (``Checkpointer.restore`` does); advisory, never raises for a
+    file it cannot open."""
+    storage, where = get_storage(path, storage_options)
+    release(storage, where, cached)
 
 
 def skip_load(path: str, *, process_group=None, storage_options: dict | None = None,
@@ -230,4 +242,5 @@ def load(
         metadata_reads=before["read_requests"] - opened["read_requests"],
         value_stats=tally.result() if tally is not None else {},
         phases=dict(clock.seconds),
+        cached=tuple(sorted(executor.cached)),
     )

@@ -122,10 +122,13 @@ class _LocalWriter:
                 pass
 
     def close(self, *, sync: bool = True) -> None:
+        """Close the file; ``sync``: durable first (fsync), then out of the page cache (its pages
+        are clean now: ``POSIX_FADV_DONTNEED``), so a save leaves the training job's cache as it was."""
         self._drop_direct()
         try:
             if sync:
                 os.fsync(self._fd)
+                _uncache(self._fd)
         except OSError as e:
             raise storage_error(self._path, e, "fsync") from None
         finally:
@@ -137,6 +140,13 @@ class _LocalWriter:
             os.close(self._fd)
         except OSError:
             pass
+
+
+def _uncache(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
 
 
 class _LocalReader:
@@ -205,6 +215,14 @@ class _LocalReader:
         """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait)."""
         try:
             os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):
+            pass
+
+    def release(self, offset: int, length: int) -> None:
+        """Tell the kernel ``[offset, offset + length)`` is done with (``POSIX_FADV_DONTNEED``):
+        its clean pages leave the page cache, which keeps what the training job cached."""
+        try:
+            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
         except (OSError, AttributeError):
             pass
 

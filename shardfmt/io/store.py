@@ -79,6 +79,7 @@ class FileReader(Protocol):
     size: int
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None: ...
     def prefetch(self, offset: int, length: int) -> None: ...  # a hint: start fetching, do not wait
+    def release(self, offset: int, length: int) -> None: ...  # a hint: these bytes are done with, uncache them
     def close(self) -> None: ...
 
 

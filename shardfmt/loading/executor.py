@@ -193,6 +193,8 @@ class Executor:
         self.workers = options.workers
         self.follow_links = follow_links
         self.tally = tally
+        self.cached: list[tuple[str, int, int]] = []  # (file, start, end) read through the page cache, kept
+        self._cached_lock = threading.Lock()
         self._given = tuple(bounce_buffers)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
@@ -200,6 +202,7 @@ class Executor:
         self._grids: Mapping[str, ChunkGrid] = {}
 
     def run(self, plan: LoadPlan) -> None:
+        self.cached = []
         self._local = threading.local()
         self._free = queue.SimpleQueue()
         self._files, self._grids = plan.files, plan.grids
@@ -230,6 +233,7 @@ class Executor:
         (broadcast), and each copies them into its targets. An owner's failure is every
         member's, at the same read."""
         self._files, self._grids = plan.files, plan.grids
+        self.cached = []
         mine = [k for k, o in enumerate(share.owners) if o == share.me]
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         workers = max(1, min(self.workers, self.storage.read_concurrency, len(mine)))
@@ -261,9 +265,11 @@ class Executor:
         """Read (and verify) ``read`` into a new buffer with a flag byte after it: 1 read, 0 failed."""
         buf = torch.zeros(read.byte_range.length + 1, dtype=torch.uint8)
         try:
-            self._read(readers.get(read.file), read, [byte_view(buf[:-1])], verify)
+            reader = readers.get(read.file)
+            self._read(reader, read, [byte_view(buf[:-1])], verify)
         except (ShardfmtError, OSError) as e:
             return buf, e
+        _release(reader, read)  # its one reader in the job: the others get the bytes from here
         buf[-1] = 1
         return buf, None
 
@@ -340,10 +346,24 @@ class Executor:
                 segments.append(memoryview(bytearray(end - pos)))
                 fills.append(None)
             self._read(reader, read, segments, verify, around=around, landed=self._tallied(fills))
+        else:
+            buf = self._bounce(end - start)
+            self._read(reader, read, [byte_view(buf)], verify)
+            self._scatter(read, buf)
+        if not around:
+            self._read_through_cache(reader, read)
+
+    def _read_through_cache(self, reader: FileReader, read: PhysicalRead) -> None:
+        """``read`` went through the page cache: drop its pages at once when no other process
+        reads them (a checkpoint does not take the training job's page cache), else note them
+        (``cached``: other ranks of the node may read them; ``release`` once all have)."""
+        if self.storage.remote:
             return
-        buf = self._bounce(end - start)
-        self._read(reader, read, [byte_view(buf)], verify)
-        self._scatter(read, buf)
+        if all(self.targets[it.target].sole for it in read.items):
+            _release(reader, read)
+        else:
+            with self._cached_lock:
+                self.cached.append((read.file, read.byte_range.start, read.byte_range.end))
 
     def _tallied(self, fills: Sequence[CopyItem | None]) -> Landed | None:
         """What adds each part of a direct read to the tally as it lands, while it is in cache:
@@ -451,6 +471,36 @@ class Executor:
         if len(got) != len(span):
             raise IntegrityError(f"{read.file}: bytes [{start}, {end}) hashed as {len(got)} chunks, "
                                  f"the chunk grid has {len(span)} there")
+
+
+def _release(reader: FileReader, read: PhysicalRead) -> None:
+    drop = getattr(reader, "release", None)
+    if drop is not None:
+        drop(read.byte_range.start, read.byte_range.length)
+
+
+def release(storage: Storage, root: str, ranges: Sequence[tuple[str, int, int]]) -> None:
+    """Drop from the page cache the byte ranges (file, start, end) a load of the checkpoint at
+    ``root`` read through it (``Executor.cached``, ``LoadReport.cached``), once every process
+    that reads them has: advisory, a file that cannot be opened is skipped."""
+    if storage.remote:
+        return
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, start, end in ranges:
+        by_file.setdefault(name, []).append((start, end))
+    for name, spans in by_file.items():
+        full, where = refs.location(storage.join, root, name)
+        try:
+            reader = storage.open_reader(full, within=where)
+        except (ShardfmtError, OSError):
+            continue
+        try:
+            drop = getattr(reader, "release", None)
+            for start, end in spans:
+                if drop is not None:
+                    drop(start, end - start)
+        finally:
+            reader.close()
 
 
 def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],

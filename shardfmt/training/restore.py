@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardfmt.api import load, skip_load
+from shardfmt.api import load, release_cached, skip_load
 from shardfmt.commit.names import quarantine_dir_name, rolled_back_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import (
@@ -230,6 +230,8 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         if not allow_mismatch:  # every rank, once all have loaded
             with clock("verify"):
                 _check_values(url, attempt, ranks)
+        with clock("read"):  # every rank has read what it shares with the others: out of the page cache
+            release_cached(url, attempt.report.cached, storage_options=tier.storage_options)
         if tier.name == "archive":
             warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)

@@ -107,5 +107,33 @@ def grads_save(rank, world, args):
     return {"grad": m.w.grad.full_tensor().tolist()}
 
 
+@job
+def shared_cache(rank, world, args):
+    """Each rank loads the whole of a plain-tensor checkpoint (the bytes the ranks share), through
+    the page cache: what stays cached after a plain load, after ``release_cached``, and after a
+    ``Checkpointer.restore`` (every rank's residency of the data files, measured once all are done)."""
+    import glob
+    import os
+
+    from tests.pagecache import resident_fraction
+    from tests.test_page_cache import _Model
+
+    root = args["root"]
+    path = root + "/step_000000001"
+    files = sorted(glob.glob(os.path.join(path, "data", "*")))
+    back = _Model().state_dict()
+    rep = shardfmt.load({"model": back}, path, strict=False)
+    dist.barrier()
+    out = {"cached_ranges": len(rep.cached), "after_load": resident_fraction(files)}
+    dist.barrier()
+    shardfmt.api.release_cached(path, rep.cached)
+    dist.barrier()
+    out["after_release"] = resident_fraction(files)
+    shardfmt.Checkpointer(root).restore({"model": _Model()})
+    dist.barrier()
+    out["after_restore"] = resident_fraction(files)
+    return out
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,81 @@
+"""A checkpoint leaves the training job's page cache as it found it (issue 22): saves drop what they
+wrote once it is durable, loads drop what they read once no process of the node needs it, and a
+canary file the job had cached stays cached. Residency is read with ``mincore``."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+import shardfmt
+from tests.pagecache import drops_pages, resident, resident_fraction, warm
+
+EDGE = 0.02  # pages a range's edges keep (dropping rounds inward) and the files' headers, at most
+
+
+@pytest.fixture
+def dropping(tmp_path):
+    if not hasattr(os, "posix_fadvise") or not drops_pages(str(tmp_path)):
+        pytest.skip("this filesystem keeps clean pages in the page cache when told to drop them (tmpfs)")
+    return tmp_path
+
+
+def _state(n: int = 8) -> dict:
+    g = torch.Generator().manual_seed(0)
+    sd = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(n)}  # 2 MiB each
+    sd.update({f"small{i}": torch.randn(100, generator=g) for i in range(20)})  # reads under 1 MiB
+    return sd
+
+
+def _data_files(path: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(path, "**", "data", "*"), recursive=True))
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+def test_a_save_and_a_load_leave_the_page_cache_as_they_found_it(dropping, monkeypatch, mode):
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "1" if mode == "direct" else "0")
+    canary = str(dropping / "canary.bin")
+    with open(canary, "wb") as f:
+        f.write(os.urandom(8 << 20))
+    warm(canary)
+    assert resident(canary)[0] == resident(canary)[1]
+    sd = _state()
+    path = str(dropping / "ckpt")
+    shardfmt.save(sd, path)
+    files = _data_files(path)
+    assert files and resident_fraction(files) <= EDGE  # durable, then out of the cache
+    back = {k: torch.full_like(v, float("nan")) for k, v in sd.items()}
+    warm_before = resident_fraction(files)
+    rep = shardfmt.load(back, path)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert rep.cached == ()  # one process: nothing is kept for another
+    assert resident_fraction(files) <= max(EDGE, warm_before)
+    assert resident(canary)[0] == resident(canary)[1]  # the job's own cached file is untouched
+
+
+@pytest.mark.slow
+def test_bytes_the_ranks_of_a_node_share_stay_cached_until_every_rank_has_read_them(dropping):
+    """2 ranks load the same plain tensors (each whole): a plain load keeps what it read in the
+    page cache for the other rank (``LoadReport.cached``), ``release_cached`` drops it, and
+    ``Checkpointer.restore`` drops it itself once both ranks have loaded."""
+    from tests.distributed.harness import check_all_ok, launch
+
+    root = str(dropping / "root")
+    shardfmt.Checkpointer(root).save(1, {"model": _Model()})
+    got = check_all_ok(launch("shared_cache", 2, {"root": root}, out_dir=str(dropping / "o"),
+                              module="tests.distributed.loop_jobs", env={"SHARDFMT_DIRECT_IO": "0"}))
+    for r in got:
+        assert r["cached_ranges"] > 0 and r["after_load"] >= 0.5  # kept for the other rank
+        assert r["after_release"] <= EDGE and r["after_restore"] <= EDGE
+    assert resident_fraction(_data_files(root)) <= EDGE
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            self.register_buffer(f"w{i}", torch.randn(512, 1024, generator=g))
