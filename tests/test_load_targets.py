@@ -124,3 +124,24 @@ def test_a_cast_that_would_drop_the_imaginary_part_is_refused(tmp_path):
     out = torch.zeros(2, dtype=torch.complex128)
     shardfmt.load({"z": out}, path, cast=True)
     assert out.tolist() == [1 + 2j, 3 - 1j]
+
+
+def test_column_slices_of_one_buffer_load_in_place_without_memory_of_their_own(tmp_path):
+    """Views of one buffer that interleave (a fused QKV matrix's column blocks held apart) share a
+    memory span but no element: each is read through a bounce buffer into its own columns, none
+    gets a private copy, and every column ends up right."""
+    from shardfmt.loading.options import LoadOptions
+    from shardfmt.loading.reader import open_checkpoint
+    from shardfmt.loading.request import request_load
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"q": torch.randn(64, 8, generator=g), "k": torch.randn(64, 8, generator=g), "v": torch.randn(64, 8, generator=g)}
+    path = str(tmp_path / "ck")
+    shardfmt.save(sd, path)
+    qkv = torch.zeros(64, 24)
+    state = {"q": qkv[:, :8], "k": qkv[:, 8:16], "v": qkv[:, 16:]}
+    req = request_load(state, open_checkpoint(path).manifest, LoadOptions(), rank=0, world_size=1, source=path)
+    assert all(t.bounce and not t.views for t in req.targets)
+    assert {t.dst.data_ptr() for t in req.targets} == {qkv[:, i:].data_ptr() for i in (0, 8, 16)}
+    shardfmt.load(state, path, workers=4)
+    assert torch.equal(qkv, torch.cat([sd["q"], sd["k"], sd["v"]], dim=1))

@@ -137,9 +137,34 @@ def test_saved_gradients_reshard_like_the_weights(tmp_path):
                                 module="tests.distributed.loop_jobs"))
     m = torch.nn.Module()
     m.register_parameter("w", torch.nn.Parameter(torch.zeros(64, 6)))
+    m.register_parameter("r", torch.nn.Parameter(torch.zeros(6)))
     ck = shardfmt.Checkpointer(root, save_grads=True)
     assert ck.restore({"model": m}) == 3 and ck.restored_metadata == {"micro_step": 1}
     assert torch.equal(m.w.grad, torch.tensor(saved[0]["grad"])) and m.w.grad.abs().sum() > 0
+    # a gradient still Partial (a replicated weight times sharded inputs) is saved reduced
+    assert saved[0]["r_placements"] == ["P(sum)"]
+    assert torch.equal(m.r.grad, torch.tensor(saved[0]["r_grad"]))
+    assert torch.equal(m.r.grad, torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6).sum(0))
+
+
+def test_save_grads_leaves_sparse_gradients_out_and_makes_no_memory_for_gradients_not_saved(tmp_path):
+    """A sparse gradient is not saved (a warning names it; the save goes on); a restore makes
+    tensors only for the gradients the checkpoint holds (a frozen base gets none)."""
+    from shardfmt.training.grads import grad_slots
+
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(10, 3, sparse=True)
+    model.frozen = torch.nn.Parameter(torch.randn(256, 256), requires_grad=False)
+    model.head = torch.nn.Linear(3, 2)
+    model.head(model.emb(torch.tensor([1, 2]))).sum().backward()
+    ck = shardfmt.Checkpointer(str(tmp_path / "root"), save_grads=True)
+    with pytest.warns(UserWarning, match=r"sparse gradients are not saved \(model\.emb\.weight\)"):
+        ck.save(1, {"model": model})
+    m = shardfmt.read_manifest(str(tmp_path / "root" / "step_000000001"))
+    assert sorted(k for k in m.tensors if k.startswith("_shardfmt_grads")) == [
+        "_shardfmt_grads.model.head.bias", "_shardfmt_grads.model.head.weight"]
+    slots = grad_slots({"model": model}, m.tensors).value
+    assert sorted(slots["model"]) == ["head.bias", "head.weight"]  # no 256 KiB slot for the frozen base
 
 
 # ----------------------------------------------------------------------------- how often to save (item 3)
@@ -351,7 +376,7 @@ def test_a_restore_whose_loaded_values_do_not_match_the_saved_statistics_fails_l
     root = str(tmp_path / "root")
     shardfmt.Checkpointer(root).save(1, {"model": model})
     m = shardfmt.read_manifest(root + "/step_000000001")
-    assert set(m.extensions["tensor_stats"].value) == {"model.0.weight", "model.0.bias", "model.1.weight",
+    assert set(m.extensions["tensor_stats"].value["tensors"]) == {"model.0.weight", "model.0.bias", "model.1.weight",
                                                        "model.1.bias"}
 
     def fresh():
@@ -444,6 +469,43 @@ def test_the_loads_statistics_are_the_saved_ones_whatever_pieces_the_reads_land_
     plain = shardfmt.load({k: torch.zeros_like(v) for k, v in sd.items()}, path)
     assert plain.value_stats == {}  # summed only when asked
     assert bool(around) == (direct_io == "1")  # the path around the page cache ran, or did not
+
+
+def test_near_constant_values_loaded_into_strided_memory_pass_the_check(tmp_path):
+    """Sums of squares of 2^23 near-equal values, taken in other pieces than the save's (a strided
+    target is filled copy by copy): a float32 dot product was off by 4e-4 there, above the 1e-4
+    tolerance, and failed a correct restore; cascaded sums agree."""
+    m = torch.nn.Module()
+    m.register_buffer("b", torch.full((1 << 23,), 1.28) + 1e-4 * torch.rand(1 << 23, generator=torch.Generator().manual_seed(0)))
+    root = str(tmp_path / "root")
+    shardfmt.Checkpointer(root).save(1, {"m": m})
+    back = torch.nn.Module()
+    back.register_buffer("b", torch.zeros(1 << 24)[::2])
+    assert shardfmt.Checkpointer(root).restore({"m": back}) == 1 and torch.equal(back.b, m.b)
+
+
+def test_tied_weights_are_checked_once_and_downcasts_and_other_methods_not_at_all(tmp_path):
+    from shardfmt.format.stats import from_extension_value
+    from shardfmt.loading.options import LoadOptions
+    from shardfmt.training.ranks import Ranks
+    from shardfmt.training.sanity import check_values
+
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(16, 8)
+    model.head = torch.nn.Linear(8, 16, bias=False)
+    model.head.weight = model.emb.weight
+    path = str(tmp_path / "c")
+    shardfmt.save({"model": model.state_dict()}, path)
+    man = shardfmt.read_manifest(path)
+    back = torch.zeros(16, 8)
+    rep = shardfmt.load({"model": {"emb.weight": back, "head.weight": back}}, path,
+                        options=LoadOptions(value_stats=True))
+    check = check_values(rep.value_stats, man, Ranks(None))
+    assert "model.emb.weight" in check.checked and not check.bad and rep.value_stats["model.emb.weight"][3] == 128
+    low = {"model": {"emb.weight": torch.zeros(16, 8, dtype=torch.bfloat16)}}
+    rep = shardfmt.load(low, path, strict=False, options=LoadOptions(value_stats=True, cast=True))
+    assert check_values(rep.value_stats, man, Ranks(None)).unchecked == ("model.emb.weight",)  # rounded by the cast
+    assert from_extension_value({"model.emb.weight": [1.0, 2.0, 3.0]}) == {}  # the first release's sums
 
 
 def test_box_statistics_add_up_across_any_partition_and_see_moved_rows():

@@ -13,8 +13,10 @@ section 9: a statistic, ignored by readers that do not know it):
 
 Each is additive over disjoint boxes, so ranks that loaded disjoint parts of a tensor add
 theirs up (an all-reduce) and compare with the saved total, whatever the topology. Computed in
-float32 over pieces of 2^20 elements, accumulated in float64: about 7 ms per 256 MiB and
-statistic on one core here. ``close`` compares with tolerances scaled by the tensor's norm
+float32 over pieces of 2^20 elements by torch's cascaded sums (a dot product's running float32
+sum is off by up to 4e-4 on near-constant data: not used), accumulated in float64: about 10 ms
+per 256 MiB and statistic on one core here. The extension's value names that method
+(``METHOD``); sums taken another way are not compared. ``close`` compares with tolerances scaled by the tensor's norm
 ``L = sqrt(sumsq)``: ``1e-3 L + 1e-6 |sum|`` for ``sum``, ``1e-4 sumsq`` for ``sumsq``,
 ``1e-2 L + 1e-5 |rows|`` for ``rows``: 50x or more above the float32 rounding that two
 partitions of one tensor give (measured up to 1e-5 L, 3e-6 sumsq and 2e-4 L on 16 M
@@ -33,6 +35,7 @@ import torch
 PIECE = 1 << 20
 NSTATS = 3  # sum, sumsq, rows
 EXTENSION = "tensor_stats"
+METHOD = "cascade-f32/1"  # how the sums are taken: torch's cascaded sums of float32 pieces, added in float64
 
 
 def box_stats(data: torch.Tensor, offsets: Sequence[int]) -> tuple[float, float, float]:
@@ -55,9 +58,9 @@ def box_stats(data: torch.Tensor, offsets: Sequence[int]) -> tuple[float, float,
         rowsum = p.sum(dim=1)
         s += float(rowsum.sum())
         pf = p.reshape(-1)
-        q += float(torch.dot(pf, pf))
+        q += float((pf * pf).sum())
         weights = ((torch.arange(r, r + p.shape[0], device=p.device) + rows0) % 7 + 1).to(p.dtype)
-        w += float(torch.dot(rowsum, weights))
+        w += float((rowsum * weights).sum())
     return s, q, w
 
 
@@ -96,7 +99,7 @@ def _row_stats(part: torch.Tensor, row: int) -> tuple[float, float, float]:
     """Part of one row (``row``: its index along dimension 0)."""
     p = _as_float(part)
     s = float(p.sum())
-    return s, float(torch.dot(p, p)), s * (1 + row % 7)
+    return s, float((p * p).sum()), s * (1 + row % 7)
 
 
 def _add_to(acc: list[float], vals: Sequence[float]) -> None:
@@ -120,7 +123,7 @@ def _vector_stats(t: torch.Tensor, first: int) -> tuple[float, float, float]:
     for a in range(0, n, PIECE):
         p = _as_float(t[a:a + PIECE]).contiguous()
         s += float(p.sum())
-        q += float(torch.dot(p, p))
+        q += float((p * p).sum())
         lead = (-(first + a)) % 7  # elements before the first whose global index is a multiple of 7
         head, body = p[:lead], p[lead:]
         m = body.shape[0] // 7 * 7
@@ -152,15 +155,15 @@ def close(saved: Sequence[float], got: Sequence[float], numel: int) -> bool:
     return True
 
 
-def as_extension_value(totals: Mapping[str, Sequence[float]]) -> dict:
-    """The extension's value: fqn -> [sum, sumsq, rows], non-finite numbers as typed JSON's ``$float``."""
+def encode_sums(totals: Mapping[str, Sequence[float]]) -> dict:
+    """fqn -> [sum, sumsq, rows] as typed JSON (non-finite numbers as ``$float``)."""
     def enc(v: float):
         return v if math.isfinite(v) else {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
     return {f: [enc(v) for v in vals] for f, vals in sorted(totals.items())}
 
 
-def from_extension_value(value) -> dict[str, tuple[float, float, float]]:
-    """The extension's value back (an unusable entry is left out: a statistic, never a reason to refuse)."""
+def decode_sums(value) -> dict[str, tuple[float, float, float]]:
+    """``encode_sums``'s value back (an unusable entry is left out: a statistic, never a reason to refuse)."""
     out = {}
     if not isinstance(value, dict):
         return out
@@ -177,4 +180,19 @@ def from_extension_value(value) -> dict[str, tuple[float, float, float]]:
     return out
 
 
-__all__ = ["EXTENSION", "NSTATS", "add", "as_extension_value", "box_stats", "close", "from_extension_value", "run_stats"]
+def as_extension_value(totals: Mapping[str, Sequence[float]]) -> dict:
+    """The extension's value: ``{"sums": METHOD, "tensors": encode_sums(totals)}``."""
+    return {"sums": METHOD, "tensors": encode_sums(totals)}
+
+
+def from_extension_value(value) -> dict[str, tuple[float, float, float]]:
+    """The per-tensor sums of an extension's value taken by ``METHOD``; none (nothing to compare)
+    for sums taken another way: the first release's (a bare fqn map, its squares summed by
+    float32 dot products, off by up to 4e-4 on near-constant data) would fail loads that are right."""
+    if not isinstance(value, dict) or value.get("sums") != METHOD:
+        return {}
+    return decode_sums(value.get("tensors"))
+
+
+__all__ = ["EXTENSION", "METHOD", "NSTATS", "add", "as_extension_value", "box_stats", "close", "decode_sums",
+           "encode_sums", "from_extension_value", "run_stats"]

@@ -35,12 +35,18 @@ class Tally:
         wanted = frozenset(names)
         self._sums: dict[str, list[float]] = {}
         self._counted: set[int] = set()
+        seen: set[tuple] = set()  # (fqn, box): the same slice under two names (tied weights) counts once
         for t in targets:
             if t.src.fqn not in wanted or t.first_copy is False:
                 continue
+            slice_ = (t.src.fqn, t.src.box.offsets, t.src.box.lengths)
+            if slice_ in seen:
+                continue
+            seen.add(slice_)
             acc = self._sums.setdefault(t.src.fqn, [0.0] * (NSTATS + 1))
-            if t.first_copy is None:
-                acc[NSTATS] = -math.inf  # a slice whose copies this rank cannot tell apart: unchecked
+            if t.first_copy is None or not _exact_cast(t.src_dtype, t.dst.dtype):
+                # a slice whose copies this rank cannot tell apart, or values a cast rounds: unchecked
+                acc[NSTATS] = -math.inf
             else:
                 self._counted.add(t.index)
         self._lock = threading.Lock()
@@ -79,5 +85,21 @@ class Tally:
         with self._lock:
             return {f: tuple(v) for f, v in sorted(self._sums.items())}
 
+
+def _exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` is one of ``dst`` (a widening cast or none: the loaded
+    values' sums are the saved ones')."""
+    if src == dst:
+        return True
+    if src.is_floating_point and dst.is_floating_point:
+        a, b = torch.finfo(src), torch.finfo(dst)
+        return b.bits >= a.bits and b.eps <= a.eps and b.max >= a.max and b.tiny <= a.tiny
+    if src in _INTS and dst in _INTS:
+        a, b = torch.iinfo(src), torch.iinfo(dst)
+        return b.min <= a.min and b.max >= a.max
+    return False
+
+
+_INTS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 __all__ = ["Tally"]

@@ -209,18 +209,19 @@ class TargetBuilder:
 
 
 def _mark_bounce(targets: list[ReadTarget]) -> list[ReadTarget]:
-    """Mark the targets filled through a bounce buffer: cast, strided and non-CPU targets. Of
-    targets whose memory overlaps (tied weights), the first is read in place and each other one
-    into memory of its own, copied into place after every read in order (``_apart``): bytes
-    read straight into shared memory could be overwritten before they are hashed, and two
-    names' bytes copied into it at once would leave a mix of both. A view's buffer, still a
-    placeholder, will be a fresh contiguous tensor: read in place."""
-    apart = _set_apart(targets)
+    """Mark the targets filled through a bounce buffer: cast, strided and non-CPU targets, and
+    targets whose memory overlaps another's (bytes read straight into shared memory could be
+    overwritten before they are hashed). Of targets that are one memory under several names
+    (tied weights), the first is read as if alone and each other one into memory of its own,
+    copied in after every read, in order (``_apart``): two names' bytes copied into one memory
+    at once would leave a mix of both. A view's buffer, still a placeholder, will be a fresh
+    contiguous tensor: read in place."""
+    apart, shared = _overlaps(targets)
     out = []
     for t in targets:
         if t.index in apart:
             t = _apart(t)
-        if not t.dst.is_meta and (t.dst.dtype != t.src_dtype or not is_direct(t.dst)):
+        if t.index in shared or (not t.dst.is_meta and (t.dst.dtype != t.src_dtype or not is_direct(t.dst))):
             t = replace(t, bounce=True)
         out.append(t)
     return out
@@ -235,9 +236,11 @@ def _apart(t: ReadTarget) -> ReadTarget:
     return replace(t, dst=own, views=(back,))
 
 
-def _set_apart(targets: Sequence[ReadTarget]) -> frozenset[int]:
-    """The indices of the targets to read into memory of their own: of each cluster of targets
-    whose memory spans overlap (chained; a conservative test, per device), all but the first."""
+def _overlaps(targets: Sequence[ReadTarget]) -> tuple[frozenset[int], frozenset[int]]:
+    """(targets to set apart, targets sharing memory): of each cluster of targets whose memory
+    spans overlap (chained; a conservative test, per device), the repeats of one memory (same
+    address, shape, strides and dtype) after its first, and, where the cluster holds more than
+    one memory, the rest of its members."""
     spans = []
     for t in targets:
         if t.dst.is_meta or t.dst.numel() == 0:
@@ -246,17 +249,28 @@ def _set_apart(targets: Sequence[ReadTarget]) -> frozenset[int]:
         spans.append((str(t.dst.device), lo, lo + view_reach(t.dst.shape, t.dst.stride()) * t.dst.element_size(),
                       t.index))
     spans.sort()
-    out: set[int] = set()
-    cluster: list[int] = []
+    apart: set[int] = set()
+    shared: set[int] = set()
+    clusters: list[list[int]] = []
     where, reach = None, -1
     for device, lo, hi, i in spans:
-        if device != where or lo >= reach:
-            out.update(sorted(cluster)[1:])
-            cluster, where, reach = [], device, -1
-        cluster.append(i)
+        if not clusters or device != where or lo >= reach:
+            clusters.append([])
+            where, reach = device, -1
+        clusters[-1].append(i)
         reach = max(reach, hi)
-    out.update(sorted(cluster)[1:])
-    return frozenset(out)
+    for cluster in clusters:
+        if len(cluster) < 2:
+            continue
+        memories: dict[tuple, list[int]] = {}
+        for i in sorted(cluster):
+            d = targets[i].dst
+            memories.setdefault((d.data_ptr(), tuple(d.shape), d.stride(), d.dtype), []).append(i)
+        for same in memories.values():
+            apart.update(same[1:])
+        if len(memories) > 1:
+            shared.update(same[0] for same in memories.values())
+    return frozenset(apart), frozenset(shared)
 
 
 def plan_reads(manifest: Manifest, targets: Sequence[ReadTarget], options: LoadOptions, *,

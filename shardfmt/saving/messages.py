@@ -41,8 +41,7 @@ from shardfmt.format.parse import (
 )
 from shardfmt.format.parse_v2 import parse_rank_entry
 from shardfmt.format.refs import Chain, check_base, parse_chain, split
-from shardfmt.format.stats import as_extension_value as stats_value
-from shardfmt.format.stats import from_extension_value as stats_from
+from shardfmt.format.stats import decode_sums, encode_sums
 from shardfmt.layout.geometry import Box
 
 MAX_WORLD = 1 << 24  # the manifest's limit on ranks
@@ -270,7 +269,7 @@ class Written:
         return {"file": None if self.file is None else self.file.to_json(),
                 "index": None if self.index is None else self.index.to_json(), "names": list(self.names),
                 "chain": None if self.chain is None else self.chain.to_extension().value,
-                "stats": None if self.stats is None else stats_value(self.stats)}
+                "stats": None if self.stats is None else encode_sums(self.stats)}
 
     @classmethod
     def decoder(cls, tensors: Mapping[str, TensorRecord]):
@@ -280,7 +279,7 @@ class Written:
                        index=None if i is None else parse_rank_entry(i, rank=rank, where=_where(rank, "index")),
                        names=tuple(_indexed_name(n, _where(rank, "names")) for n in o["names"]),
                        chain=None if o["chain"] is None else parse_chain(o["chain"], _where(rank, "chain")),
-                       stats=None if o.get("stats", {}) is None else stats_from(o.get("stats")))
+                       stats=None if o.get("stats", {}) is None else decode_sums(o.get("stats")))
         return decode
 
 

@@ -137,14 +137,17 @@ def for_save(state: Mapping[str, Any], *, config: Any, user_metadata: Any, ranks
     return sd, meta
 
 
-def for_restore(state: Mapping[str, Any], *, grads: bool = False) -> tuple[dict, dict, set[str]]:
-    """Return ``state_dicts(state)`` with a slot for this rank's saved RNG states (None if none)
-    and, with ``grads``, one for each model parameter's saved gradient (``training.grads``)."""
+def for_restore(state: Mapping[str, Any]) -> tuple[dict, dict, set[str]]:
+    """Return ``state_dicts(state)`` with a slot for this rank's saved RNG states (None if none)."""
     sd, signature, fresh_optims = state_dicts(state)
     sd[RNG_KEY] = PerRank(None)
-    if grads:
-        sd[GRADS_KEY] = grad_slots(state)
     return sd, signature, fresh_optims
+
+
+def with_grad_slots(sd: dict, state: Mapping[str, Any], manifest: Manifest) -> None:
+    """Add to a restore's ``sd`` a slot for each model parameter's gradient ``manifest``'s
+    checkpoint holds (``training.grads``)."""
+    sd[GRADS_KEY] = grad_slots(state, manifest.tensors)
 
 
 def materialize(state: Mapping[str, Any]) -> None:

@@ -45,7 +45,7 @@ from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.phases import PhaseClock
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.training.compat import check_compat
-from shardfmt.training.entries import apply, for_restore, optimizer_signature
+from shardfmt.training.entries import apply, for_restore, optimizer_signature, with_grad_slots
 from shardfmt.training.ranks import Ranks
 from shardfmt.training.roots import (
     CheckpointInfo,
@@ -271,7 +271,7 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
           grads: bool = False) -> _Attempt:
     """Load this rank's slices of the checkpoint at ``path`` into fresh state dicts of ``state``."""
     with clock("open"):
-        sd, signature, fresh_optims = for_restore(state, grads=grads)
+        sd, signature, fresh_optims = for_restore(state)
     storage = tier.storage
     try:
         try:
@@ -279,6 +279,8 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
                 manifest = open_checkpoint(path, storage=storage).manifest
                 check_compat(path, manifest, config=config, signature=signature,
                              optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch, data=data)
+                if grads:
+                    with_grad_slots(sd, state, manifest)
         except BaseException:  # the other ranks may be loading: join them, as a failed rank
             skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
             raise

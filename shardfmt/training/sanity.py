@@ -53,7 +53,7 @@ def check_values(loaded: Mapping[str, tuple[float, ...]], manifest: Manifest, ra
     total = ranks.all_reduce_sum(vec).tolist()
     bad, checked, unchecked = [], [], []
     for i, n in enumerate(names):
-        rec = manifest.tensors.get(n)
+        rec = manifest.tensors.get(n) or manifest.storages.get(n)  # a view's buffer is summed as its storage
         got, count = total[i * width:i * width + NSTATS], total[i * width + NSTATS]
         if rec is None or count != _numel(rec.shape):
             unchecked.append(n)  # not loaded, or not covered exactly once

@@ -96,15 +96,19 @@ def grads_save(rank, world, args):
     """A model whose weight is a DTensor split by rows, a gradient accumulated in it: saved with
     ``save_grads`` on ``world`` ranks; returns the whole gradient."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     m = torch.nn.Module()
     w = torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6) / 100
     m.register_parameter("w", torch.nn.Parameter(distribute_tensor(w, mesh, [Shard(0)])))
-    (m.w * m.w).sum().backward()
+    m.register_parameter("r", torch.nn.Parameter(distribute_tensor(torch.ones(6), mesh, [Replicate()])))
+    x = distribute_tensor(torch.arange(64 * 6, dtype=torch.float32).reshape(64, 6), mesh, [Shard(0)])
+    ((m.w * m.w).sum() + (x * m.r).sum()).backward()  # r's gradient: a sum over the ranks' rows, Partial
+    partial = [str(p) for p in m.r.grad.placements]
     shardfmt.Checkpointer(args["root"], save_grads=True).save(3, {"model": m}, metadata={"micro_step": 1})
-    return {"grad": m.w.grad.full_tensor().tolist()}
+    return {"grad": m.w.grad.full_tensor().tolist(), "r_grad": m.r.grad.full_tensor().tolist(),
+            "r_placements": partial}
 
 
 @job
