@@ -104,9 +104,10 @@ def sf_async(c: Call, stage: str = "call") -> dict:
     return {"blocked": blocked, "staged": staged}
 
 
-def sf_load(c: Call, max_gap: int | None = None, share_reads: bool | None = None) -> dict:
-    rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap, share_reads=share_reads)
-    return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests}
+def sf_load(c: Call, max_gap: int | None = None, share_reads: bool | None = None, workers: int | None = None) -> dict:
+    rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap, share_reads=share_reads, workers=workers)
+    return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests,
+            **{f"{phase}_s": seconds for phase, seconds in rep.phases.items()}}
 
 
 def io_mode(mode: str, run: Callable[[Call], Any]) -> Callable[[Call], Any]:
@@ -342,6 +343,8 @@ def _all() -> list[Candidate]:
           for m in ("direct", "buffered")],
         *[Candidate(name=f"shardfmt.load@{m}", kind=L, run=io_mode(m, sf_load), reads="shardfmt.save",
                     after=chunk_needed) for m in ("direct", "buffered")],
+        *[Candidate(name=f"shardfmt.load@{m}/w{w}", kind=L, run=io_mode(m, functools.partial(sf_load, workers=w)),
+                    reads="shardfmt.save", after=chunk_needed) for m in ("direct", "buffered") for w in (1, 2, 8)],
         *[Candidate(name=f"shardfmt.load@gap={label}", kind=L, run=functools.partial(sf_load, max_gap=gap),
                     reads="shardfmt.save", after=chunk_needed) for label, gap in (("0", 0), ("1MiB", 1 << 20))],
         Candidate(name="shardfmt.load@s3", kind=L, run=sf_load, reads="shardfmt.save@s3", storage="s3"),

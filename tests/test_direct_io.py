@@ -211,8 +211,11 @@ def test_a_filesystem_refusing_direct_reads_still_loads(tmp_path, monkeypatch, r
 
 
 def test_a_slice_starting_off_a_block_boundary_reads_exactly_its_bytes(tmp_path, monkeypatch):
+    from shardfmt.loading import executor
+
     state, path = _saved(tmp_path)
     reads = _DirectReads(monkeypatch)
+    monkeypatch.setattr(executor, "DIRECT_MIN_SHARE", 0.0)  # part of the file: direct all the same
     lo, n = 12_345, 600_000  # starts mid-block; without verification the read is not chunk-rounded
     backing = torch.full((n + 2,), 7.0)
     part = shardfmt.ShardedTensor(backing[1:-1], global_shape=(700_001,), offsets=(lo,))
@@ -314,3 +317,19 @@ def test_a_direct_load_reads_the_file_once_not_whole_bounce_buffers(tmp_path, mo
     assert all(torch.equal(out[k], state[k]) for k in state)
     assert reads.fds and rep.bytes_read >= f.size - f.header_size
     assert reads.bytes <= f.size - f.header_size + 2 * aligned.DIRECT_ALIGN * rep.read_requests
+
+
+def test_reads_go_around_the_page_cache_only_from_files_the_process_reads_nearly_whole(tmp_path, monkeypatch):
+    """A process reading (nearly) all of a file reads it directly; one reading part of it (the
+    rest is another rank's: a 2 -> 4 reshard) reads through the page cache, where the kernel's
+    read-ahead makes the ranks' interleaved runs one sequential stream."""
+    state, path = _saved(tmp_path)
+    reads = _DirectReads(monkeypatch)
+    whole = {k: torch.zeros_like(v) for k, v in state.items()}
+    shardfmt.load(whole, path)
+    assert reads.fds and reads.bytes > 0.9 * (700_001 * 4 + 333 * 777 * 8)
+    reads.fds.clear()
+    reads.bytes = 0
+    half = shardfmt.ShardedTensor(torch.zeros(350_000), global_shape=(700_001,), offsets=(0,))
+    shardfmt.load({"w": half}, path, strict=False)  # 1.4 MB of a 4.9 MB file
+    assert reads.bytes == 0 and torch.equal(half.local, state["w"][:350_000])

@@ -22,3 +22,19 @@ SCENARIOS = (Scenario(
         *[throughput(name, "shardfmt.load", 0.9, "floor.read") for name, _, _ in LOAD_PHASES],
     ),
 ),)
+
+TUNING = ("floor.read", "shardfmt.load@direct", "shardfmt.load@direct/w2", "shardfmt.load@direct/w8",
+          "shardfmt.load@buffered", "shardfmt.load@buffered/w1", "shardfmt.load@buffered/w2")
+
+SCENARIOS += (Scenario(
+    name="io-tuning",
+    doc="2 ranks: same-topology and dim-0 2 -> 4 loads, direct and buffered reads with 1 to 8 reading threads a rank",
+    state=StateSpec(builder="transformer", size_mib=1024),
+    ranks=2,
+    phases=(
+        Phase(name="source", kind="save", timed=False, candidates=("floor.write", "shardfmt.save")),
+        Phase(name="load", kind="load", candidates=TUNING),
+        Phase(name="2->4", kind="load", world=4, candidates=TUNING),
+    ),
+    targets=(),
+),)
