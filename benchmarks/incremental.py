@@ -24,11 +24,8 @@ whole 4 KiB blocks; the base's file holds the replaced shards between the ones t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +38,7 @@ import torch  # noqa: E402
 
 import shardfmt  # noqa: E402
 from benchmarks import floors, probes  # noqa: E402
+from benchmarks.standalone import parser, summary, write_json  # noqa: E402
 
 TRAINABLE_FRACTION = 0.01  # LoRA-sized: 1% of the state's bytes change between saves
 
@@ -120,19 +118,8 @@ def one_round(sd: dict, work: str, k: int, order: list[str]) -> dict:
     return rec
 
 
-def summary(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "min": min(values), "max": max(values)}
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=768)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dir", default=None, help="scratch parent directory (default: the temp dir)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    a = parser(__doc__, size_mib=768, rounds=5).parse_args(argv)
     sd = build(a.size_mib)
     state_bytes = sum(t.numel() * t.element_size() for t in sd.values())
     trainable = sum(t.numel() * t.element_size() for n, t in sd.items() if "lora" in n)
@@ -178,9 +165,7 @@ def main(argv=None) -> int:
         print(f"  {k:<36} median {v['median']:.4f}  IQR [{v['q1']:.4f}, {v['q3']:.4f}]")
     for k, ok in targets.items():
         print(f"  {'PASS' if ok else 'FAIL'}: {k}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return 0 if all(targets.values()) else 1
 
 

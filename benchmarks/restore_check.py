@@ -21,11 +21,8 @@ behind, is reported without a target.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +35,7 @@ import torch  # noqa: E402
 
 import shardfmt  # noqa: E402
 from benchmarks import floors, probes  # noqa: E402
+from benchmarks.standalone import parser, summary, write_json  # noqa: E402
 
 WIDTH = 2048
 
@@ -85,19 +83,8 @@ def one_round(root: str, step_dir: str, saved: torch.nn.Module, layers: int, ord
     return rec
 
 
-def summary(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2], "min": min(values), "max": max(values)}
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=384)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dir", default=None, help="scratch parent directory (default: the temp dir)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    a = parser(__doc__, size_mib=384, rounds=7).parse_args(argv)
     layers = max(1, a.size_mib * (1 << 20) // (WIDTH * WIDTH * 4))
     saved = model(layers, 0)
     work = tempfile.mkdtemp(prefix="shardfmt-check-", dir=a.dir)
@@ -137,9 +124,7 @@ def main(argv=None) -> int:
         print(f"  {k:<28} median {v['median']:.4f}  IQR [{v['q1']:.4f}, {v['q3']:.4f}]")
     for k, ok in targets.items():
         print(f"  {'PASS' if ok else 'MISS'}: {k}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return 0
 
 

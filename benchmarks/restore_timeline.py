@@ -21,8 +21,6 @@ checked bit-exact against the saved model.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -40,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import shardfmt  # noqa: E402
 from benchmarks import probes  # noqa: E402
+from benchmarks.standalone import parser, write_json  # noqa: E402
 
 WIDTH = 2048
 PHASES = ("discover", "open", "plan", "read", "verify", "apply")
@@ -114,13 +113,8 @@ def shardfmt_restore(root: str, layers: int) -> tuple[dict[str, float], torch.nn
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mib", type=int, default=384, help="the model's bytes (Adam adds twice that)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dir", default=None, help="scratch parent directory (default: the temp dir)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    a = parser(__doc__ + "\n--size-mib is the model's bytes (Adam adds twice that).", size_mib=384,
+               rounds=5).parse_args(argv)
     layers = max(1, a.size_mib * (1 << 20) // (WIDTH * WIDTH * 4))
     model, opt = training_state(layers, 0)
     work = tempfile.mkdtemp(prefix="shardfmt-timeline-", dir=a.dir)
@@ -151,9 +145,7 @@ def main(argv=None) -> int:
     print(f"  {'phase':<10}" + "".join(f"{n:>12}" for n in medians))
     for ph in (*PHASES, "total"):
         print(f"  {ph:<10}" + "".join(f"{medians[n][ph]:>12.3f}" for n in medians))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(a.json, out)
     return 0
 
 
