@@ -54,8 +54,9 @@ class LoadReport:
     # reads planned and agreed), "read" (the reads, each chunk hashed as it lands, the values set)
     phases: Mapping[str, float] = field(default_factory=dict)
     # (file, start, end): bytes read through the page cache that other ranks of the node may read
-    # too, left cached (the rest is dropped as read); ``release_cached`` drops them once all have
+    # too, left cached (the rest is dropped as read); ``release_cached(source, cached)`` drops them
     cached: tuple[tuple[str, int, int], ...] = ()
+    source: str = ""  # the checkpoint read (the path given, or the committed copy a crashed replace left)
 
 
 # ----------------------------------------------------------------------------- save
@@ -126,9 +127,9 @@ def _share_group(opts: LoadOptions, process_group):
 
 def release_cached(path: str, cached: Sequence[tuple[str, int, int]], *, storage_options: dict | None = None) -> None:
     """Drop from the page cache the bytes a load of the checkpoint at ``path`` left there
-    (``LoadReport.cached``: bytes other ranks of the node may read too). Call it once every
-    rank of the node has loaded (``Checkpointer.restore`` does); advisory, never raises for a
-    file it cannot open."""
+    (``LoadReport.cached``: bytes other ranks of the node may read too; ``path``: the report's
+    ``source``). Call it once every rank of the node has loaded (``Checkpointer.restore`` does);
+    advisory, never raises for a file it cannot open."""
     storage, where = get_storage(path, storage_options)
     release(storage, where, cached)
 
@@ -243,4 +244,5 @@ def load(
         value_stats=tally.result() if tally is not None else {},
         phases=dict(clock.seconds),
         cached=tuple(sorted(executor.cached)),
+        source=storage.url(ckpt.path),
     )

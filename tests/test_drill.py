@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shardfmt.cli import main as shardfmt_main
-from shardfmt.demo.drill import compare, step_lines
+from shardfmt.demo.drill import compare, run_drill, step_lines
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fixtures", "drill", "train.py")
 
@@ -66,3 +66,11 @@ def test_the_drill_refuses_a_missing_command_and_a_kill_before_any_checkpoint(ca
     assert shardfmt_main(["drill", "--"]) == 2
     assert shardfmt_main(["drill", "--kill-at-save", "1", "--", "true"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_is_reported_with_the_end_of_its_log(tmp_path, capsys):
+    cmd = [sys.executable, "-c", "print('step 1 loss 0.5'); print('boom: the job failed'); raise SystemExit(3)"]
+    assert run_drill(cmd, work=str(tmp_path / "w"), timeout=60) == 1
+    out = capsys.readouterr().out
+    assert "A exit 3" in out and "the last lines of run A (exit 3):" in out and "boom: the job failed" in out
+    assert "the last lines of run B, killed" not in out  # it exited non-zero, as a killed run does

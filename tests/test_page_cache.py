@@ -79,3 +79,20 @@ class _Model(torch.nn.Module):
         g = torch.Generator().manual_seed(1)
         for i in range(4):
             self.register_buffer(f"w{i}", torch.randn(512, 1024, generator=g))
+
+
+def test_views_of_one_storage_and_a_copy_left_by_a_crashed_replace_are_not_left_cached(dropping, monkeypatch):
+    """One process reading tensors saved as views of one storage keeps nothing for anyone; a
+    load that found only the committed copy a crashed overwrite left (``<path>.old-<id>``) names
+    it as its ``source``, so what it left cached can be dropped there."""
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "0")
+    base = torch.randn(1 << 21, generator=torch.Generator().manual_seed(2))
+    path = str(dropping / "ck")
+    shardfmt.save({"a": base[: 1 << 20], "b": base[1 << 20:]}, path)
+    back = {"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20)}
+    rep = shardfmt.load(back, path)
+    assert torch.equal(torch.cat([back["a"], back["b"]]), base)
+    assert rep.cached == () and resident_fraction(_data_files(path)) <= EDGE
+    os.rename(path, path + ".old-deadbeef")
+    rep = shardfmt.load({"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20)}, path)
+    assert rep.source == path + ".old-deadbeef"

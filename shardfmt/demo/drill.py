@@ -114,6 +114,11 @@ def run_drill(command: list[str], *, kill_at_save: int = 2, pattern: str = DEFAU
     if rc_a or rc_b or rc_k == 0:
         print(f"drill: a run did not go as planned (A exit {rc_a}; killed B exit {rc_k}, expected non-zero; "
               f"restarted B exit {rc_b}); see the logs in {work}")
+        for name, (rc, out), bad in (("A", runs["A"], rc_a != 0), ("B, killed", runs["B1"], rc_k == 0),
+                                     ("B, restarted", runs["B2"], rc_b != 0)):
+            if bad:
+                tail = "\n    ".join(out.splitlines()[-15:])
+                print(f"  the last lines of run {name} (exit {rc}):\n    {tail}")
         return 1
     a, b1, b2 = step_lines(out_a, rx), step_lines(out_k, rx), step_lines(out_b, rx)
     if b2 and b1 and min(b2) == min(a):

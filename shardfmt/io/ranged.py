@@ -109,9 +109,6 @@ class RangedReader:
     def prefetch(self, offset: int, length: int) -> None:
         """No read-ahead hint on object stores: each read is one request already."""
 
-    def release(self, offset: int, length: int) -> None:
-        """Nothing to uncache: an object store's bytes are in no cache of this machine."""
-
     def close(self) -> None:
         pass
 

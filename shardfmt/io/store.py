@@ -79,8 +79,9 @@ class FileReader(Protocol):
     size: int
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None: ...
     def prefetch(self, offset: int, length: int) -> None: ...  # a hint: start fetching, do not wait
-    def release(self, offset: int, length: int) -> None: ...  # a hint: these bytes are done with, uncache them
     def close(self) -> None: ...
+    # Optional, where the bytes pass through this machine's page cache (local files):
+    # ``release(offset, length)``, a hint that those bytes are done with (uncache them).
 
 
 class ByteStore(Protocol):

@@ -352,14 +352,14 @@ class Executor:
             buf = self._bounce(end - start)
             self._read(reader, read, [byte_view(buf)], verify)
             self._scatter(read, buf)
-        if not around:
+        if not around or not getattr(reader, "direct", False):  # planned direct, read through the cache
             self._read_through_cache(reader, read)
 
     def _read_through_cache(self, reader: FileReader, read: PhysicalRead) -> None:
         """``read`` went through the page cache: drop its pages at once when no other process
         reads them (a checkpoint does not take the training job's page cache), else note them
         (``cached``: other ranks of the node may read them; ``release`` once all have)."""
-        if self.storage.remote:
+        if self.storage.remote or not hasattr(reader, "release"):  # no page cache of this machine's
             return
         if all(self.targets[it.target].sole for it in read.items):
             _release(reader, read)
@@ -476,7 +476,9 @@ class Executor:
 
 
 def _read_whole(plan: LoadPlan) -> frozenset[str]:
-    """The files ``plan`` reads (nearly) all the data of: ``DIRECT_MIN_SHARE`` or more.
+    """The files ``plan`` reads (nearly) all the data of: ``DIRECT_MIN_SHARE`` or more of the
+    bytes of the shards it reads from them (an incremental base's file also holds shards later
+    saves replaced: not counted).
 
     Only their reads go around the page cache. A file a process reads a part of is read by
     others too (a 2 -> 4 reshard: two ranks take alternate 16 MiB runs of each file): through
@@ -488,18 +490,15 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
     read: dict[str, int] = {}
     for r in plan.reads:
         read[r.file] = read.get(r.file, 0) + r.byte_range.length
-    out = set()
-    for name, n in read.items():
-        rec = plan.files.get(name)
-        data = rec.size - rec.header_size if rec is not None else 0
-        if data > 0 and n >= DIRECT_MIN_SHARE * data:
-            out.add(name)
-    return frozenset(out)
+    live: dict[str, int] = {}
+    for _, shard in {(fqn, shard.file, shard.byte_range): (fqn, shard) for fqn, shard in plan.shards}.values():
+        live[shard.file] = live.get(shard.file, 0) + shard.byte_range[1] - shard.byte_range[0]
+    return frozenset(name for name, n in read.items() if live.get(name, 0) > 0 and n >= DIRECT_MIN_SHARE * live[name])
 
 
 def _release(reader: FileReader, read: PhysicalRead) -> None:
-    drop = getattr(reader, "release", None)
-    if drop is not None:
+    drop = getattr(reader, "release", None)  # local files' readers: their bytes are in this machine's page cache
+    if drop is not None and read.byte_range.length > 0:
         drop(read.byte_range.start, read.byte_range.length)
 
 
@@ -521,7 +520,7 @@ def release(storage: Storage, root: str, ranges: Sequence[tuple[str, int, int]])
         try:
             drop = getattr(reader, "release", None)
             for start, end in spans:
-                if drop is not None:
+                if drop is not None and end > start:  # (a length of 0 would mean "to the end")
                     drop(start, end - start)
         finally:
             reader.close()

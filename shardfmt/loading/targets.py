@@ -204,6 +204,7 @@ class TargetBuilder:
             targets.append(ReadTarget(
                 src=TargetSlice(index=len(targets), fqn=base, box=Box((lo,), (hi - lo,))), src_dtype=src_dtype,
                 dst=torch.empty(hi - lo, dtype=src_dtype, device="meta"), first_copy=self._rank == 0,
+                sole=self._world == 1,
                 views=tuple(replace(c, storage_offset=c.storage_offset - lo) for c in copies)))
         return _mark_bounce(targets)
 

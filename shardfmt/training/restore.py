@@ -231,7 +231,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
             with clock("verify"):
                 _check_values(url, attempt, ranks)
         with clock("read"):  # every rank has read what it shares with the others: out of the page cache
-            release_cached(url, attempt.report.cached, storage_options=tier.storage_options)
+            release_cached(attempt.report.source, attempt.report.cached, storage_options=tier.storage_options)
         if tier.name == "archive":
             warnings.warn(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)

@@ -130,7 +130,7 @@ def shared_cache(rank, world, args):
     dist.barrier()
     out = {"cached_ranges": len(rep.cached), "after_load": resident_fraction(files)}
     dist.barrier()
-    shardfmt.api.release_cached(path, rep.cached)
+    shardfmt.api.release_cached(rep.source, rep.cached)
     dist.barrier()
     out["after_release"] = resident_fraction(files)
     shardfmt.Checkpointer(root).restore({"model": _Model()})
