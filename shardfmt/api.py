@@ -20,6 +20,7 @@ from shardfmt.format.manifest import Manifest
 from shardfmt.format.stats import EXTENSION as STATS_EXTENSION
 from shardfmt.format.stats import from_extension_value
 from shardfmt.io.registry import get_storage
+from shardfmt.io.store import Storage
 from shardfmt.loading.executor import Executor, release
 from shardfmt.loading.options import LoadOptions
 from shardfmt.loading.phases import PhaseClock
@@ -135,12 +136,13 @@ def release_cached(path: str, cached: Sequence[tuple[str, int, int]], *, storage
 
 
 def skip_load(path: str, *, process_group=None, storage_options: dict | None = None,
-              share_reads: bool | None = None, options: LoadOptions | None = None) -> None:
+              share_reads: bool | None = None, options: LoadOptions | None = None, storage: Storage | None = None) -> None:
     """Stand in for ``load(..., path, ...)`` on a rank that gives it up (it failed before) while
     the other ranks of its process group call it: a load that shares reads is a collective,
     and this joins it as a failed rank, so no rank waits (they all read alone)."""
     opts = LoadOptions.merged(options, share_reads=share_reads)
-    group = _share_group(opts.for_storage(get_storage(path, storage_options)[0]), process_group)
+    storage = storage if storage is not None else get_storage(path, storage_options)[0]
+    group = _share_group(opts.for_storage(storage), process_group)
     if group is not None:
         agree(None, None, group)
 
@@ -161,6 +163,7 @@ def load(
     workers: int | None = None,
     share_reads: bool | None = None,
     options: LoadOptions | None = None,
+    storage: Storage | None = None,
 ) -> LoadReport:
     """Fill ``state_dict`` in place from the checkpoint at ``path``.
 
@@ -183,10 +186,12 @@ def load(
     bytes (data-parallel replicas) read them once and broadcast them (default: on object
     stores); the load is then a collective: every rank of the process group calls it. Each
     knob left None takes its value from ``options`` (a ``LoadOptions``, which owns the defaults).
+    ``storage`` (instead of ``storage_options``): the ``Storage`` to read ``path`` through (the
+    Checkpointer's node-local tier reads a node part so: ``io.nodepart``).
     """
     opts = LoadOptions.merged(options, strict=strict, verify=verify, cast=cast, per_rank=per_rank,
                               max_gap=max_gap, max_read=max_read, workers=workers, share_reads=share_reads)
-    storage, where = get_storage(path, storage_options)
+    storage, where = (storage, path) if storage is not None else get_storage(path, storage_options)
     opts = opts.for_storage(storage)
     group = _share_group(opts, process_group)
     clock = PhaseClock()

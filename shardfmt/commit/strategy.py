@@ -43,6 +43,7 @@ from shardfmt.format.manifest import (
     CommitRecord,
     Manifest,
 )
+from shardfmt.format.nodepart import is_joint_file
 from shardfmt.io.store import ByteStore
 
 StepHook = Callable[[str], None]
@@ -107,8 +108,9 @@ _INDEX_RE = re.compile(r"index/(rank_[0-9]{5}|ranks_[0-9]{8})(\.[A-Za-z0-9_-]{1,
 
 def is_save_file(name: str) -> bool:
     """Whether ``name`` (relative to a checkpoint) is a file a save writes below the checkpoint:
-    a data file, or (v2) a rank index or rank-table part."""
-    return is_data_file(name) or bool(_INDEX_RE.fullmatch(name))
+    a data file, or (v2) a rank index or rank-table part, or a joint copy's marker or claim
+    (``commit.joint``)."""
+    return is_data_file(name) or bool(_INDEX_RE.fullmatch(name)) or is_joint_file(name)
 
 
 def is_data_file(name: str) -> bool:

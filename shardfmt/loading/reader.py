@@ -32,6 +32,7 @@ from shardfmt.format.manifest import (
     Manifest,
     ShardRecord,
 )
+from shardfmt.format.nodepart import NODE_PART_NAME
 from shardfmt.format.parse import parse_commit, parse_manifest
 from shardfmt.format.safetensors import decode_origins
 from shardfmt.io.documents import read_header
@@ -87,6 +88,10 @@ def not_a_checkpoint(storage: Storage, path: str) -> ShardfmtError:
     something else, each a path that names no checkpoint (CheckpointNotFoundError)."""
     url = storage.url(path)
     names = storage.listdir(path)
+    if NODE_PART_NAME in names:
+        return CheckpointNotFoundError(
+            f"{url}: is one node's part of a checkpoint saved on the node-local tier (the other nodes' files are "
+            "on their own disks): restore it through the Checkpointer, or read the copy on its shared tier")
     if MANIFEST_NAME in names or DATA_DIR in names:
         return CommitError(f"{url}: not committed (no {COMMITTED_NAME} marker: an interrupted or in-progress save)")
     steps = sorted(n for n in names if parse_step_dir(n) is not None)

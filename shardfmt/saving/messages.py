@@ -294,16 +294,36 @@ def _indexed_name(name: Any, where: str) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Committed:
-    """Step 7: the committed manifest."""
+    """Step 7: the committed manifest; on the node-local tier also its bytes (``raw``) and the
+    rank table's parts (name, text), which every node's part holds (``commit.nodepart``)."""
 
     manifest: Manifest
+    raw: bytes | None = field(default=None, compare=False)
+    tables: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict:
-        return {"manifest": self.manifest.to_json().decode()}
+        out: dict = {"manifest": (self.raw if self.raw is not None else self.manifest.to_json()).decode()}
+        if self.tables:
+            out["tables"] = [list(t) for t in self.tables]
+        return out
 
     @classmethod
     def from_json(cls, o: Mapping, *, rank: int = 0) -> Committed:
-        return cls(manifest=parse_manifest(o["manifest"].encode()))
+        raw = o["manifest"].encode()
+        return cls(manifest=parse_manifest(raw), raw=raw,
+                   tables=tuple((str(n), str(t)) for n, t in o.get("tables", ())))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Done:
+    """A step that reports nothing but its success (a node's part staged or committed)."""
+
+    def to_json(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_json(cls, o: Mapping, *, rank: int = 0) -> Done:
+        return cls()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -355,5 +375,5 @@ def open_envelope(o: Mapping, decode):
     return decode(o["body"], rank=int(o["rank"]))
 
 
-__all__ = ["Claim", "Committed", "Failures", "HeldTensor", "RankError", "RankState", "Staged", "Summary", "WritePlan",
+__all__ = ["Claim", "Committed", "Done", "Failures", "HeldTensor", "RankError", "RankState", "Staged", "Summary", "WritePlan",
            "Written", "WrittenFile", "envelope", "open_envelope"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from shardfmt.commit.protocol import StepHook
 from shardfmt.errors import StateDictError
+from shardfmt.format.nodepart import NodePart
 
 Clock = Callable[[], _dt.datetime]
 DEFAULT_PART_SIZE = 64 << 20  # bytes one writer thread writes and hashes at a time (a multiple of chunks)
@@ -53,6 +54,9 @@ class SaveOptions:
     readable by readers released before version 2. ``base`` (format 2): an earlier committed
     checkpoint next to ``path``; the save writes only the shards whose bytes differ from it and
     references the others (an incremental checkpoint, spec/FORMAT.md section 4.10).
+    ``node_part`` (format 2, local disk): ``path`` is on this node's own disk and the save
+    leaves each node its share of the checkpoint, committed by ``NODE_PART`` (the node-local
+    tier: ``commit.nodepart``; the Checkpointer's ``local=`` sets it).
     """
 
     overwrite: bool = False
@@ -66,6 +70,7 @@ class SaveOptions:
     part_size: int = DEFAULT_PART_SIZE
     format_version: int = 2
     base: str | None = None
+    node_part: NodePart | None = None
     _seams: Seams = field(default=NO_SEAMS, repr=False)
 
     @classmethod
@@ -80,6 +85,8 @@ class SaveOptions:
             raise StateDictError(f"format_version must be one of {list(WRITE_VERSIONS)}, got {self.format_version!r}")
         if self.base is not None and self.format_version < 2:
             raise StateDictError("base= (an incremental save) needs format_version 2")
+        if self.node_part is not None and (self.format_version < 2 or self.base is not None):
+            raise StateDictError("a save on the node-local tier needs format_version 2 and no base= (not incremental)")
 
     @property
     def seams(self) -> Seams:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -79,6 +80,7 @@ from shardfmt.saving.messages import (
     Written,
     WrittenFile,
 )
+from shardfmt.saving.nodes import abort_node, commit_nodes, stage_nodes, tables_of
 from shardfmt.saving.options import SaveOptions
 from shardfmt.saving.placing import PlacedPlan, plan_groups, rank_writes
 from shardfmt.saving.plan import WriteItem, assign_writers, auto_chunk_size, my_items
@@ -158,6 +160,7 @@ def _save_v2(run: _Run, state: RankState | RankError, topology: Topology, *, ste
     except BaseException:
         if writer is not None:
             writer.abort()
+        run.abort_node()
         raise
 
 
@@ -216,7 +219,8 @@ class _Run:
         except StateDictError as e:
             if not isinstance(state, RankError):
                 state = RankError.of(rank, e)
-        url = self.storage.url(self.path)
+        part = self.options.node_part  # on the node-local tier each node's path is its own disk's
+        url = self.storage.url(self.path) if part is None else f"{part.tier} {posixpath.basename(self.path)}"
         values = state.values if isinstance(state, RankState) else {}
         vector = agreement_vector(failed=isinstance(state, RankError), step=step, url=url, values=values,
                                   mesh=repr(self.topology.mesh))
@@ -282,8 +286,20 @@ class _Run:
                 msg = RankError.of(0, e)
         staged = self.coord.broadcast(msg, Staged.from_json, "staging")
         self.coord.raise_failures([staged], "staging the checkpoint")
+        if self.options.node_part is not None:
+            try:
+                staged = stage_nodes(self.coord, self.storage, self.path, staged, self.options.node_part)
+            except BaseException:
+                if writer is not None:
+                    writer.abort()
+                raise
         self.staged = staged
         return writer
+
+    def abort_node(self) -> None:
+        """A failed save on the node-local tier: this node's staging dir goes too (``saving.nodes``)."""
+        if self.options.node_part is not None and self.staged is not None:
+            abort_node(self.coord, self.storage, self.staged.staging, self.options.node_part)
 
     def write(self, state: RankState, writers: Mapping[WriteKey, int], decode, gather) -> list[Written] | None:
         """6) Write this rank's file into the staging dir; ``gather`` what every rank wrote
@@ -367,14 +383,19 @@ class _Run:
     def commit(self, writer: CheckpointWriter | None, build: Callable[[], Manifest]) -> Manifest:
         """7) Rank 0 records every file and commits (``build``); every rank gets the manifest (or the error)."""
         msg = None
+        part = self.options.node_part
         if self.coord.rank == 0:
             try:
-                msg = Committed(manifest=build())
+                m = build()
+                msg = Committed(manifest=m) if part is None else Committed(
+                    manifest=m, raw=m.to_json(), tables=tables_of(self.storage, self.path, m))
             except BaseException as e:  # noqa: BLE001 - reported to every rank, then raised here too
                 writer.abort()
                 msg = RankError.of(0, e)
         outcome = self.coord.broadcast(msg, Committed.from_json, "committing")
         self.coord.raise_failures([outcome], "committing")
+        if part is not None:
+            commit_nodes(self.coord, self.storage, self.path, self.staged, part, outcome)
         return outcome.manifest
 
 

@@ -21,6 +21,7 @@ import torch
 
 from shardfmt._version import __version__
 from shardfmt.commit import protocol as _commit
+from shardfmt.commit.nodepart import PartRecord, commit_record, publish_part
 from shardfmt.errors import (
     CheckpointNotFoundError,
     CommitError,
@@ -170,6 +171,7 @@ class CheckpointWriter:
         self._checks: dict[str, PlacedCheck] = {}  # v2: placed tensors checked file by file
         self._chain: refs.Chain | None = None  # v2: an incremental save's bases (spec section 4.10)
         self._base = opts.base
+        self._node_part = opts.node_part
         self._stats: dict[str, list[float]] | None = {}  # v2: per-tensor statistics, summed over the ranks
         self._done = False
         self._staging: str | None = None
@@ -502,8 +504,14 @@ class CheckpointWriter:
                               "another save while it ran (it stalled past its lease); nothing was committed")
         try:
             manifest = self.build_manifest(step=step, metadata=metadata, topology=topology)
-            _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
-                            on_step=self._steps, required=self._required(manifest))
+            if self._node_part is not None:  # the node-local tier: node 0's part (commit.nodepart)
+                raw = manifest.to_json()
+                publish_part(self.storage, self.path, self.staging, raw, PartRecord(
+                    commit=commit_record(raw, self.save_id, manifest.format_version), part=self._node_part,
+                    world_size=manifest.topology.world_size), {})
+            else:
+                _commit.publish(self.storage, self.path, self.staging, manifest, overwrite=self._overwrite,
+                                on_step=self._steps, required=self._required(manifest))
         except BaseException:
             self.abort()
             raise

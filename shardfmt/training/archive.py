@@ -27,7 +27,7 @@ from collections.abc import Callable
 from shardfmt.commit import protocol as _commit
 from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing, refs
-from shardfmt.format.manifest import DATA_DIR, INDEX_DIR, Manifest
+from shardfmt.format.manifest import DATA_DIR, INDEX_DIR, FileRecord, Manifest
 from shardfmt.io.documents import rank_entries, read_vouched
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
@@ -60,7 +60,7 @@ def copy_checkpoint(src_storage: Storage, src_path: str, dst_storage: Storage, d
         dst_storage.makedirs(dst_storage.join(staging, DATA_DIR))
         buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
         for name in sorted(n for n in m.files if refs.split(n)[0] is None):  # a base's files: copied with it
-            _copy_file(ckpt.storage, ckpt.path, dst_storage, staging, name, m, buf)
+            copy_file(ckpt.storage, ckpt.path, dst_storage, staging, name, m.files[name], m.chunk_size, buf)
         del buf
         if m.format_version >= 2:
             _copy_indexes(ckpt.storage, ckpt.path, dst_storage, staging, m)
@@ -86,12 +86,13 @@ def _own_files(m: Manifest) -> list[str] | None:
     return sorted(n for n in m.files if refs.split(n)[0] is None)
 
 
-def _copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: str, m: Manifest,
-               buf: bytearray) -> None:
-    frec = m.files[name]
+def copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: str, frec: FileRecord,
+              chunk_size: int, buf: bytearray) -> None:
+    """Stream the data file ``name`` across in ``len(buf)`` pieces, refusing (IntegrityError) to
+    pass on a header or chunk that does not match ``frec``."""
     reader = src.open_reader(src.join(src_root, name), size=frec.size, within=src_root)
     writer = dst.open_writer(dst.join(dst_root, name))
-    grid = frec.grid(m.chunk_size)
+    grid = frec.grid(chunk_size)
     hasher = grid.hasher(grid.chunked_from)  # v2: the header is checked by its digest, not chunked
     view = memoryview(buf)
     try:

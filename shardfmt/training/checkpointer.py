@@ -51,6 +51,7 @@ from shardfmt.io.registry import get_storage
 from shardfmt.io.store import io_stats
 from shardfmt.loading.phases import PhaseClock
 from shardfmt.saving.async_save import async_save, at_exit
+from shardfmt.saving.options import SaveOptions
 from shardfmt.training.archiving import Archiver
 from shardfmt.training.drill import die, drill_archive, drill_root, kill_due
 from shardfmt.training.entries import data_identity, for_save, materialize
@@ -63,6 +64,7 @@ from shardfmt.training.interval import (
     steps_for,
     suggest,
 )
+from shardfmt.training.local_tier import LocalTier
 from shardfmt.training.midstep import GradWatch, mid_step_message, pending_grads
 from shardfmt.training.options import CheckpointerOptions
 from shardfmt.training.prune import prune
@@ -114,6 +116,9 @@ class Checkpointer:
         if opts.archive.url:
             self._archive_tier = _archive_tier(opts, self._tier)
             self._archiver = Archiver(self.storage, self._archive_tier.storage, self._archive_tier.root, opts.archive)
+        self._local: LocalTier | None = None
+        if opts.local.url:
+            self._local = LocalTier(opts.local, self.storage, self.root, self._ranks, opts.archive)
         self._root_checked = False  # the root rules (spec/ROOTS.md section 1) hold: checked at restore or the first save
         self._saves = PendingSaves()
         self._chain = _Chain()
@@ -126,6 +131,7 @@ class Checkpointer:
         self._last_call: float | None = None
         self._next_due: int | None = None
         self.restored_step: int | None = None  # what the last restore resumed from (loggers rewind to it)
+        self.restored_tier: str | None = None  # where its copy was: "local", "root" or "archive"
         self.restored_metadata: Any = None  # and the metadata its save was given (a micro-step counter, ...)
         ref = weakref.ref(self)
         at_exit(lambda: ref() is not None and ref()._wait_quietly())
@@ -134,6 +140,11 @@ class Checkpointer:
     def archive_errors(self) -> list[str]:
         """Failed archive copies, one message each (they never fail training)."""
         return self._archiver.errors if self._archiver is not None else []
+
+    @property
+    def replication_errors(self) -> list[str]:
+        """Failed copies of this node's parts to the root (``local=``; they never fail training)."""
+        return self._local.errors if self._local is not None else []
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Mapping[str, Any], *, metadata: Any = None, async_: bool = False,
@@ -170,12 +181,17 @@ class Checkpointer:
         common = dict(step=step, metadata=meta, storage_options=self.storage_options,
                       process_group=opts.process_group, timeout=opts.timeout, mesh=opts.mesh,
                       base=None if base is None else self.storage.url(base))
+        replicate = False
+        if self._local is not None:  # each node's part on its own disk; copied to the root behind the training
+            replicate = self._local.before_save(step)
+            path = url = self._local.path(step)
+            common["options"] = SaveOptions(node_part=self._local.part(), overwrite=True)
         if async_:
             held: list = []  # the handle, once async_save returns (the commit comes after)
 
             def committed(manifest) -> None:
                 self._measured(step, held[0].blocked_seconds if held else 0.0, t0, io0)
-                self._after_async_commit(manifest)
+                self._after_commit(manifest.step, replicate)
             handle = async_save(sd, url, stager=self._saves.stager(), policy=policy, stage=stage,
                                 on_commit=committed, **common)
             held.append(handle)
@@ -191,7 +207,7 @@ class Checkpointer:
             raise
         self._measured(step, None, t0, io0)
         self._chain.saved(path, base)
-        self._after_commit(step)
+        self._after_commit(step, replicate)
         return path
 
     def _measured(self, step: int, blocked: float | None, t0: float, io0: int) -> None:
@@ -278,20 +294,31 @@ class Checkpointer:
             self.storage.remove_tree(path)
         return path
 
-    def _after_async_commit(self, manifest) -> None:
-        self._after_commit(manifest.step)
-
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, step: int, replicate: bool = False) -> None:
+        if self._local is not None:
+            self._local.after_save(step, replicate)
         if self._ranks.rank() != 0:
             return
         try:
+            if self._local is not None and not self.storage.exists(self.root):
+                return  # an object store's root before the first copy there committed: nothing to keep or collect
             if self._archiver is not None:
-                self._archiver.schedule(step, self.storage.join(self.root, step_dir_name(step)))
+                self._schedule_archive(step)
             prune(self.storage, self.root, self.options.retention,
                   busy=self._archiver.busy if self._archiver is not None else _never, lease_seconds=self.lease_seconds)
             self.collect_garbage()
         except FAILURES as e:  # the checkpoint is committed; a failed clean-up must not fail it
             warnings.warn(f"{self.root}: retention after step {step} failed: {e}", stacklevel=3)
+
+    def _schedule_archive(self, step: int) -> None:
+        """Queue the archive copy of ``step`` (with ``local=``: of the root's newest committed
+        copy, the copies there being made behind the training)."""
+        if self._local is None:
+            self._archiver.schedule(step, self.storage.join(self.root, step_dir_name(step)))
+            return
+        newest = newest_committed(self.storage, self.root)
+        if newest is not None:
+            self._archiver.schedule(_step_of(newest), newest)
 
     def _check_root(self) -> str:
         """Apply the root rules (``restore.check_root``) and remember that they hold."""
@@ -309,6 +336,8 @@ class Checkpointer:
         try:
             self._saves.wait()
         finally:
+            if self._local is not None:
+                self._local.wait()
             if self._archiver is not None:
                 self._archiver.wait()
 
@@ -324,6 +353,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._saves.release()
+            if self._local is not None:
+                self._local.close()
             if self._archiver is not None:
                 self._archiver.close()
 
@@ -372,16 +403,18 @@ class Checkpointer:
         ranks = self._ranks
         clock = PhaseClock()
         with clock("discover"):
+            local = self._local.candidates() if self._local is not None else []  # every rank: what its node holds
             choice = None
             if ranks.rank() == 0:
-                choice = choose(self._check_root, self._tier, self._archive_tier)
+                choice = choose(self._check_root, self._tier, self._archive_tier, local=local)
                 if step is not None:
                     choice = only_step(choice, step, self._tier)
             choice = ranks.broadcast(choice)
         raise_root_error(choice)  # not a root, or one that cannot be listed (no access): not "no checkpoints"
         self._root_checked = True
         try:
-            restored = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier, ranks=ranks,
+            restored = restore_first_valid(state, choice, root=self._tier, archive=self._archive_tier,
+                                           local=self._local_tier(), ranks=ranks,
                                            config=self.options.config,
                                            data=data_identity(state, self.options.data_fingerprint),
                                            allow_fresh_start=self.options.allow_fresh_start and step is None,
@@ -394,13 +427,16 @@ class Checkpointer:
         if step is not None:
             self._set_aside_after(step)
         got = restored.step if restored is not None else None
+        if self._local is not None:
+            self._local.forget_after(got)
         self.restored_step = got
+        self.restored_tier = restored.tier if restored is not None else None
         self.restored_metadata = restored.metadata if restored is not None else None
         if got is not None:
             cost = RestoreCost(step=got, seconds=time.perf_counter() - t0,
                                phases={p: clock.seconds.get(p, 0.0) for p in RESTORE_PHASES})
             self._restores = (self._restores + [cost])[-MAX_KEPT:]
-            log.info("shardfmt: restored step %d in %.3f s (%s)", got, cost.seconds,
+            log.info("shardfmt: restored step %d (the %s copy) in %.3f s (%s)", got, self.restored_tier, cost.seconds,
                      ", ".join(f"{p} {v:.3f} s" for p, v in cost.phases.items()))
         return got
 
@@ -429,6 +465,13 @@ class Checkpointer:
         if aside and ranks.rank() == 0:
             warnings.warn(f"rolled back to step {step}: set aside (not deleted) the {len(aside)} later "
                           f"checkpoint(s) {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}", stacklevel=3)
+
+
+    def _local_tier(self) -> Tier | None:
+        if self._local is None:
+            return None
+        return Tier(name="local", storage=self._local.storage, root=self._local.root, storage_options=None,
+                    reader=self._local.reader)
 
 
 def _archive_tier(opts: CheckpointerOptions, root: Tier) -> Tier:

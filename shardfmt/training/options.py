@@ -55,6 +55,39 @@ class ArchivePolicy:
             raise ValueError(f"Checkpointer: archive_backoff must be a finite number >= 0, got {b!r}")
 
 
+REPLICATE_POLICIES = ("skip", "wait")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LocalTierPolicy:
+    """Save on each node's own disk first, then copy to the root in the background (no ``url``:
+    save to the root directly; ``training.tiers``).
+
+    ``url`` is a local path, the same on every node (``{node}`` in it becomes the node's name:
+    nodes that share one filesystem, or a test); ``node`` names this process's node (None:
+    ``$SHARDFMT_NODE``, else the host name). Each node keeps its ``keep`` newest parts.
+    ``replicate`` says what a save does while an earlier save's copy is still running on any
+    node: "skip" leaves this save on the local tier only (logged), "wait" blocks the save
+    until that copy finished (logged, with the seconds waited).
+    """
+
+    url: str | None = None
+    node: str | None = None
+    keep: int = 2
+    replicate: str = "skip"
+
+    def __post_init__(self) -> None:
+        _check_count("local_keep", self.keep)
+        if self.replicate not in REPLICATE_POLICIES:
+            raise ValueError(f"Checkpointer: replicate must be one of {', '.join(REPLICATE_POLICIES)}, "
+                             f"got {self.replicate!r}")
+        if self.url is not None and (not isinstance(self.url, str) or ("://" in self.url
+                                                                        and not self.url.startswith("file://"))):
+            raise ValueError(f"Checkpointer: local= must be a local directory (each node's own disk), got {self.url!r}")
+        if self.node is not None and (not isinstance(self.node, str) or not self.node or "/" in self.node):
+            raise ValueError(f"Checkpointer: node must be a non-empty name without '/', got {self.node!r}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointerOptions:
     """Everything a Checkpointer is built with besides its root.
@@ -77,6 +110,7 @@ class CheckpointerOptions:
 
     retention: RetentionPolicy = dataclasses.field(default_factory=RetentionPolicy)
     archive: ArchivePolicy = dataclasses.field(default_factory=ArchivePolicy)
+    local: LocalTierPolicy = dataclasses.field(default_factory=LocalTierPolicy)
     config: Any = None
     allow_fresh_start: bool = False
     storage_options: dict | None = None
@@ -105,6 +139,9 @@ class CheckpointerOptions:
         if not isinstance(self.incremental, bool):
             raise ValueError(f"Checkpointer: incremental must be True or False, got {self.incremental!r}")
         _check_count("full_every", self.full_every)
+        if self.incremental and self.local.url is not None:
+            raise ValueError("Checkpointer: incremental=True with local= is not supported (a node-local save is "
+                             "always full)")
         if self.full_every > 4096:  # a chain names at most 4096 bases (spec/FORMAT.md section 4.10)
             raise ValueError(f"Checkpointer: full_every must be at most 4096, got {self.full_every}")
 
@@ -113,13 +150,14 @@ class CheckpointerOptions:
         unknown = sorted(set(keywords) - set(KEYWORDS))
         if unknown:
             raise TypeError(f"Checkpointer() got unexpected keyword argument(s): {', '.join(unknown)}")
-        nested: dict[str, dict[str, Any]] = {"retention": {}, "archive": {}, "": {}}
+        nested: dict[str, dict[str, Any]] = {"retention": {}, "archive": {}, "local": {}, "": {}}
         for name, value in keywords.items():
             part, field = KEYWORDS[name]
             nested[part][field] = value
         return dataclasses.replace(
             self, retention=dataclasses.replace(self.retention, **nested["retention"]),
-            archive=dataclasses.replace(self.archive, **nested["archive"]), **nested[""])
+            archive=dataclasses.replace(self.archive, **nested["archive"]),
+            local=dataclasses.replace(self.local, **nested["local"]), **nested[""])
 
     @property
     def effective_storage_options(self) -> dict | None:
@@ -138,5 +176,10 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "archive_storage_options": ("archive", "storage_options"),
     "archive_attempts": ("archive", "attempts"),
     "archive_backoff": ("archive", "backoff"),
-    **{f.name: ("", f.name) for f in dataclasses.fields(CheckpointerOptions) if f.name not in ("retention", "archive")},
+    "local": ("local", "url"),
+    "node": ("local", "node"),
+    "local_keep": ("local", "keep"),
+    "replicate": ("local", "replicate"),
+    **{f.name: ("", f.name) for f in dataclasses.fields(CheckpointerOptions)
+       if f.name not in ("retention", "archive", "local")},
 }

@@ -58,18 +58,22 @@ from shardfmt.training.roots import (
 from shardfmt.training.sanity import check_values
 
 FAILURES = (ShardfmtError, OSError)
+_TIER_ORDER = {"local": 0, "root": 1, "archive": 2}
 _ROOT_ERRORS = {"CheckpointNotFoundError": CheckpointNotFoundError, "StorageError": StorageError}
 log = logging.getLogger("shardfmt")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Tier:
-    """A place checkpoints are restored from: ``name`` is "root" or "archive"."""
+    """A place checkpoints are restored from: ``name`` is "local", "root" or "archive";
+    ``reader(path)``, where given, is the storage a checkpoint at ``path`` is read through (the
+    node-local tier's: ``local_tier.LocalTier.reader``)."""
 
     name: str
     storage: Storage
     root: str
     storage_options: dict | None
+    reader: Callable[[str], Storage] | None = None
 
 
 def check_root(storage: Storage, root: str, *, allow_fresh_start: bool, rank: int) -> str:
@@ -98,9 +102,10 @@ def quarantine(storage: Storage, path: str, reason: str) -> None:
         warnings.warn(f"could not quarantine {path}: {e}", stacklevel=5)
 
 
-def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
-    """Rank 0's choice: checkpoints to try, newest step first across the root and the archive (the
-    root's copy first within a step), each ``[step, tier, path, unsupported]``: ``unsupported``
+def choose(probe: Callable[[], str], root: Tier, archive: Tier | None, *, local: list[list] = ()) -> dict:
+    """Rank 0's choice: checkpoints to try, newest step first across the node-local tier (``local``:
+    the candidates every rank's node holds), the root and the archive (in that order within a
+    step), each ``[step, tier, path, unsupported]``: ``unsupported``
     names the format versions of a checkpoint this reader cannot read (restore stops there). Or
     ``{"error", "type"}`` when the root is unusable. ``probe`` checks the root (``check_root``)."""
     try:
@@ -113,7 +118,7 @@ def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
     if kind == "new":
         log.info("%s: no Checkpointer root there yet (its %s exists): a first run", root.storage.url(root.root),
                  "bucket" if root.storage.remote else "parent")
-    out, seen_any = [], False
+    out, seen_any = [list(c) for c in local], bool(local)
     for tier in ([root] if kind == "root" else []) + ([archive] if archive is not None else []):
         try:
             infos = list_steps(tier.storage, tier.root)
@@ -130,8 +135,8 @@ def choose(probe: Callable[[], str], root: Tier, archive: Tier | None) -> dict:
             _quarantine_torn(tier.storage, infos)
         out += [[i.step, tier.name, i.path, i.reason if i.status == "unsupported" else None]
                 for i in reversed(infos) if i.status in ("committed", "unsupported")]
-    out.sort(key=lambda c: (-c[0], c[1] != "root"))  # newest step first (an archived newer step beats
-    return {"candidates": out, "any": seen_any}      # an older local one); the root's copy first
+    out.sort(key=lambda c: (-c[0], _TIER_ORDER[c[1]]))  # newest step first (an archived newer step beats
+    return {"candidates": out, "any": seen_any}         # an older one of the root); the fastest copy first
 
 
 def only_step(choice: dict, step: int, root: Tier) -> dict:
@@ -193,14 +198,16 @@ class _Attempt:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Restored:
-    """What a restore resumed from: the checkpoint's step and the metadata its save was given."""
+    """What a restore resumed from: the checkpoint's step, the metadata its save was given, and
+    the tier its copy was on ("local", "root" or "archive")."""
 
     step: int
     metadata: Any = None
+    tier: str = "root"
 
 
 def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, archive: Tier | None,
-                        ranks: Ranks, config: Any, allow_fresh_start: bool, allow_mismatch: bool,
+                        ranks: Ranks, local: Tier | None = None, config: Any, allow_fresh_start: bool, allow_mismatch: bool,
                         data: Mapping[str, Any] | None = None, grads: bool = False,
                         clock: PhaseClock | None = None) -> Restored | None:
     """Restore the first candidate of ``choice`` every rank loads (``grads``: the models'
@@ -213,7 +220,9 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
     clock = clock if clock is not None else PhaseClock()
     dirty = False  # this rank's state holds data of a checkpoint that was then given up
     for step, tier_name, path, unsupported in choice["candidates"]:
-        tier = root if tier_name == "root" else archive
+        tier = {"root": root, "archive": archive, "local": local}[tier_name]
+        if tier_name == "local":
+            path = tier.storage.join(tier.root, path)  # the step's part on this rank's own node
         url = tier.storage.url(path)
         if unsupported:  # a newer release's, newer than every checkpoint before it could be restored
             raise FormatVersionError(_newer_than_restorable(url, step, unsupported))
@@ -238,7 +247,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         with clock("apply"):
             user = apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
                          dirty=dirty, world=ranks.world(), grads=grads)
-        return Restored(step=step, metadata=user)
+        return Restored(step=step, metadata=user, tier=tier.name)
     if choice["any"] and any(ranks.all_gather(dirty)):
         raise CheckpointNotFoundError(
             f"{root.storage.url(root.root)}: checkpoints exist but none is valid, and the failed attempts "
@@ -276,18 +285,21 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
     try:
         try:
             with clock("open"):
-                manifest = open_checkpoint(path, storage=storage).manifest
+                storage = tier.reader(path) if tier.reader is not None else tier.storage
+                manifest = open_checkpoint(path, storage=storage, whole=False).manifest  # the root: no rank reads them all
                 check_compat(path, manifest, config=config, signature=signature,
                              optimizers=optimizer_signature(state, sd), allow_mismatch=allow_mismatch, data=data)
                 if grads:
                     with_grad_slots(sd, state, manifest)
         except BaseException:  # the other ranks may be loading: join them, as a failed rank
-            skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options)
+            skip_load(storage.url(path), process_group=ranks.process_group, storage_options=tier.storage_options,
+                      storage=storage if tier.reader is not None else None)
             raise
         t0 = time.perf_counter()
         try:
             report = load(sd, storage.url(path), strict=False, per_rank="skip", process_group=ranks.process_group,
-                          storage_options=tier.storage_options, options=LoadOptions(value_stats=not allow_mismatch))
+                          storage_options=tier.storage_options, options=LoadOptions(value_stats=not allow_mismatch),
+                          storage=storage if tier.reader is not None else None)
         except BaseException:
             clock.add("read", time.perf_counter() - t0)  # a failed load: its time, all counted as reading
             raise

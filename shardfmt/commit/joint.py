@@ -1,0 +1,99 @@
+"""A staging location several writers fill without talking to one another: the nodes of a save
+on the node-local tier, each copying its own part to the shared tier (spec/ROOTS.md section 3).
+
+Every writer, in any order, at any time::
+
+    1) ``join`` the staging of save ``save_id`` at ``path``: on a filesystem the directory
+       ``<path>.tmp-<save id>`` (made by whoever comes first), on an object store the prefix
+       itself with its ``LEASE`` owned by that save (taken by whoever comes first: a LEASE of
+       another save is another save's, and refused). Each writer keeps the lease fresh while
+       it writes (``protocol.Heartbeat``, never releasing it: others may still be writing).
+    2) write its files there, then its marker ``NODES/node_<k>`` (``mark``)
+    3) ``complete``: list ``NODES/``; the writer that finds all ``count`` markers claims the
+       commit by creating ``COMMITTER`` exclusively (O_EXCL; S3 If-None-Match), so that exactly
+       one commits: it writes what it alone was to write (the root manifest and the rank
+       table) and publishes as any save does (markers and claim stay, outside the manifest). A writer that finds fewer markers, or
+       a claim already made, is done: a later writer commits.
+
+A writer that dies leaves its marker unwritten: nobody commits, the lease expires, and the
+collector removes the staging as any dead save's. The last marker written is always seen by
+its own writer's listing (read-after-write), so a staging whose markers are all there is
+always committed by someone, unless that one dies too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from shardfmt.commit import protocol as _commit
+from shardfmt.commit.lease import lease_owner
+from shardfmt.commit.rename import staging_path
+from shardfmt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from shardfmt.format.manifest import COMMITTED_NAME, DATA_DIR, INDEX_DIR, Manifest
+from shardfmt.format.nodepart import COMMITTER_NAME, MARKS_DIR, mark_name
+from shardfmt.format.parse import parse_commit
+from shardfmt.io.store import Storage
+
+
+def committed_save(storage: Storage, path: str) -> str | None:
+    """The save id committed at ``path`` (None: nothing committed there)."""
+    if not _commit.is_committed(storage, path):
+        return None
+    raw = storage.read_bytes(storage.join(path, COMMITTED_NAME), limit=1 << 16, within=path)
+    return parse_commit(raw, source=storage.url(storage.join(path, COMMITTED_NAME))).save_id
+
+
+def join(storage: Storage, path: str, save_id: str) -> str | None:
+    """1) Stage, or join the staging of, save ``save_id`` at ``path``; return where its files
+    go (None: that save is committed there already). CheckpointExistsError when ``path`` holds
+    another save's checkpoint or staging."""
+    done = committed_save(storage, path)
+    if done is not None:
+        if done == save_id:
+            return None
+        raise CheckpointExistsError(f"{storage.url(path)}: holds another checkpoint (save {done}, not {save_id})")
+    strategy = _commit.commit_strategy(storage)
+    if not strategy.in_place:
+        target = staging_path(path, save_id)
+        storage.makedirs(storage.join(target, DATA_DIR))
+        storage.makedirs(storage.join(target, INDEX_DIR))
+        return target
+    storage.makedirs(storage.join(path, DATA_DIR))
+    try:
+        strategy.take_lease(path, save_id)
+    except CheckpointExistsError:
+        owner = lease_owner(storage, path)
+        if owner != save_id:
+            raise CheckpointExistsError(f"{storage.url(path)}: another save ({owner}) is staged there") from None
+    return path
+
+
+def mark(storage: Storage, staging: str, index: int, save_id: str) -> None:
+    """2) Say that writer ``index`` has written all its files."""
+    storage.makedirs(storage.join(staging, MARKS_DIR))
+    storage.write_bytes(storage.join(staging, mark_name(index)), save_id.encode() + b"\n")
+
+
+def complete(storage: Storage, staging: str, count: int) -> bool:
+    """3) Whether all ``count`` markers are there and this writer won the claim to commit."""
+    try:
+        marks = storage.list_tree(storage.join(staging, MARKS_DIR))
+    except CheckpointNotFoundError:
+        return False
+    if len(set(marks) & {mark_name(k).split("/", 1)[1] for k in range(count)}) < count:
+        return False
+    try:
+        storage.write_bytes(storage.join(staging, COMMITTER_NAME), b"", exclusive=True)
+    except (CheckpointExistsError, StorageError):  # claimed, or committed and gone (renamed) already
+        return False
+    return True
+
+
+def publish(storage: Storage, path: str, staging: str, manifest: Manifest, docs: dict[str, bytes],
+            required: Iterable[str]) -> None:
+    """The winner of the claim: write ``docs`` (name -> bytes) and commit. The markers and the
+    claim stay (never part of the manifest): a writer that listed the markers before the commit
+    then finds the claim taken, or the staging gone."""
+    for name, raw in sorted(docs.items()):
+        storage.write_bytes(storage.join(staging, name), raw)
+    _commit.publish(storage, path, staging, manifest, required=sorted(required))
