@@ -24,6 +24,7 @@ from shardfmt.io.nodepart import NodeMissError, NodePartStorage
 from shardfmt.saving.options import SaveOptions
 from shardfmt.training.nodes import NodeMap
 from shardfmt.training.options import CheckpointerOptions
+from shardfmt.training.roots import list_steps
 from shardfmt.validation import validate
 from tests.distributed.harness import check_all_ok, launch
 
@@ -63,7 +64,7 @@ def test_each_node_holds_its_part_and_the_root_a_committed_copy(tmp_path):
             shardfmt.read_manifest(str(part))
     for step in (1, 2):  # the root's copies: committed, complete, verified
         assert validate(str(root / STEP.format(step)), deep=True).ok
-    whole = {"a": torch.zeros(512, 256), "b": torch.zeros(512, 256), "bias": torch.zeros(4096)}
+    whole = {"a": torch.zeros(512, 256), "b": torch.zeros(512, 256), "bias": torch.zeros(1024, 1024)}
     shardfmt.load({"model": whole}, str(root / STEP.format(2)))
     assert {k: v.flatten()[::97].tolist() for k, v in whole.items()} == saved[0]["state"]
 
@@ -133,16 +134,11 @@ def test_a_save_while_an_earlier_copy_runs_follows_the_policy(tmp_path, policy):
 # ----------------------------------------------------------------------------- the parts alone
 
 
-def _part_save(tmp_path, node="n0"):
-    sd = {"w": torch.randn(64, 64), "b": torch.arange(10)}
-    path = str(tmp_path / node / STEP.format(1))
-    shardfmt.save(sd, path, step=1, options=SaveOptions(node_part=NodePart(index=0, count=1, ranks=(0,))))
-    return sd, path
-
-
 def test_a_part_reads_through_its_node_storage_and_names_what_it_lacks(tmp_path):
-    sd, path = _part_save(tmp_path)
-    out = {"w": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.long)}
+    sd, path = _part_of(tmp_path, "")
+    [info] = list_steps(LocalStorage(), str(tmp_path / "n0"))  # what `shardfmt ls` shows
+    assert info.status == "node_part" and info.step == 1 and "node 0 of 1" in info.reason
+    out = {"w": torch.zeros(512, 1024), "b": torch.zeros(10, dtype=torch.long)}
     shardfmt.load(out, path, storage=NodePartStorage(path))
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
     os.remove(os.path.join(path, "data", "rank_00000.safetensors"))  # as if another node held it
@@ -151,16 +147,88 @@ def test_a_part_reads_through_its_node_storage_and_names_what_it_lacks(tmp_path)
 
 
 def test_a_joint_copy_commits_once_when_every_writer_marked(tmp_path):
-    sd, path = _part_save(tmp_path)
     st = LocalStorage()
     dst = str(tmp_path / "shared" / STEP.format(1))
     staging = joint.join(st, dst, "0123456789abcdef")
     assert joint.join(st, dst, "0123456789abcdef") == staging  # a second writer joins
     joint.mark(st, staging, 0, "0123456789abcdef")
-    assert not joint.complete(st, staging, 2)  # node 1 has not copied: nobody commits
+    assert not joint.complete(st, staging, 2, "a")  # node 1 has not copied: nobody commits
     joint.mark(st, staging, 1, "0123456789abcdef")
-    assert joint.complete(st, staging, 2)
-    assert not joint.complete(st, staging, 2)  # the claim is taken: exactly one commits
+    assert joint.complete(st, staging, 2, "a")
+    assert not joint.complete(st, staging, 2, "b")  # the claim is a's: exactly one commits
+    assert joint.complete(st, staging, 2, "a")  # ... and a retry of a's finds it its own
+    joint.release(st, staging, "b")  # not b's to give up
+    assert not joint.complete(st, staging, 2, "b")
+    joint.release(st, staging, "a")  # a failed: the next writer claims
+    assert joint.complete(st, staging, 2, "b")
+
+
+def _part_of(tmp_path, root: str):
+    sd = {"w": torch.randn(512, 1024), "b": torch.arange(10)}
+    path = str(tmp_path / "n0" / STEP.format(1))
+    shardfmt.save(sd, path, step=1, options=SaveOptions(node_part=NodePart(index=0, count=1, ranks=(0,), root=root)))
+    return sd, path
+
+
+def test_a_claimant_that_fails_commits_on_its_retry_and_nothing_is_committed_torn(tmp_path, monkeypatch):
+    from shardfmt.training import replicate
+
+    st = LocalStorage()
+    root = str(tmp_path / "shared")
+    sd, path = _part_of(tmp_path, root)
+    publish, calls = joint.publish, []
+
+    def flaky(storage, dst, staging, m, docs, required):
+        calls.append(sorted(required))
+        if len(calls) == 1:
+            raise shardfmt.errors.StorageError("throttled")
+        return publish(storage, dst, staging, m, docs, required)
+
+    monkeypatch.setattr(joint, "publish", flaky)
+    rep = replicate.Replicator(st, st, root, attempts=3, backoff=0.0)
+    rep.copy(STEP.format(1), path)
+    rep.wait()
+    assert not rep.errors and len(calls) == 2
+    assert "data/rank_00000.safetensors" in calls[0]
+    assert validate(os.path.join(root, STEP.format(1)), deep=True).ok
+    out = {"w": torch.zeros(512, 1024), "b": torch.zeros(10, dtype=torch.long)}
+    shardfmt.load(out, os.path.join(root, STEP.format(1)))
+    assert torch.equal(out["w"], sd["w"])
+
+
+def test_a_copy_missing_a_file_is_never_committed(tmp_path):
+    st = LocalStorage()
+    sd, path = _part_of(tmp_path, "")
+    dst = str(tmp_path / "shared" / STEP.format(1))
+    from shardfmt.training.replicate import open_part
+
+    _, root_m, _ = open_part(st, path)
+    staging = joint.join(st, dst, root_m.save_id)
+    with pytest.raises(shardfmt.errors.CommitError, match="rank_00000.safetensors is missing"):
+        joint.publish(st, dst, staging, root_m, {}, {"data/rank_00000.safetensors": 10})
+    assert not os.path.exists(os.path.join(dst, "COMMITTED"))
+
+
+def test_a_restore_takes_only_its_own_roots_parts(tmp_path):
+    from shardfmt.io.registry import get_storage
+    from shardfmt.training.local_tier import LocalTier
+    from shardfmt.training.options import ArchivePolicy, LocalTierPolicy
+    from shardfmt.training.ranks import Ranks
+
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    _part_of(tmp_path, str(tmp_path / "a"))  # job A's part of step 1, on node n0's disk
+    policy = LocalTierPolicy(url=str(tmp_path / "{node}"), node="n0")
+
+    def tier(root):
+        st, r = get_storage(str(root))
+        return LocalTier(policy, st, r, Ranks(), ArchivePolicy())
+
+    assert [s for s, _ in tier(tmp_path / "a").usable()] == [1]
+    assert tier(tmp_path / "b").usable() == []  # job B (another root, the same disk) never resumes A's state
+    st, r = get_storage(str(tmp_path / "a"))
+    with pytest.raises(ValueError, match="the root itself"):
+        LocalTier(LocalTierPolicy(url=str(tmp_path / "a")), st, r, Ranks(), ArchivePolicy())
 
 
 def test_node_part_records_and_options_are_checked(tmp_path):
@@ -213,3 +281,23 @@ def test_an_s3_root_gets_each_save_from_every_node_and_serves_the_restore(tmp_pa
     got = _run("tier_restore", 4, args, tmp_path / "o2")
     assert [(r["step"], r["tier"]) for r in got] == [(2, "root")] * 4
     assert all(r["state"] == saved[0]["state"] for r in got)
+
+
+def test_a_part_reads_what_another_node_holds_from_the_roots_copy_on_an_object_store(tmp_path):
+    """The root's copy on an object store (``memory://`` here, its readers have no direct I/O):
+    a node part missing a file (another node's) reads it from there, verified."""
+    import uuid
+
+    from shardfmt.io.registry import get_storage
+    from shardfmt.training.replicate import copy_part
+
+    sd, path = _part_of(tmp_path, "")
+    shared, root = get_storage(f"memory://shared-{uuid.uuid4().hex[:8]}/run")
+    there = shared.join(root, STEP.format(1))
+    assert copy_part(LocalStorage(), path, shared, there)
+    os.remove(os.path.join(path, "data", "rank_00000.safetensors"))  # as if another node held it
+    st = NodePartStorage(path, (shared, there))
+    out = {"w": torch.zeros(512, 1024), "b": torch.zeros(10, dtype=torch.long)}
+    rep = shardfmt.load(out, path, storage=st)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+    assert st.from_shared == {"data/rank_00000.safetensors"} and rep.bytes_read >= sd["w"].nbytes

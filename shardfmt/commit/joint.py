@@ -10,10 +10,15 @@ Every writer, in any order, at any time::
        it writes (``protocol.Heartbeat``, never releasing it: others may still be writing).
     2) write its files there, then its marker ``NODES/node_<k>`` (``mark``)
     3) ``complete``: list ``NODES/``; the writer that finds all ``count`` markers claims the
-       commit by creating ``COMMITTER`` exclusively (O_EXCL; S3 If-None-Match), so that exactly
-       one commits: it writes what it alone was to write (the root manifest and the rank
-       table) and publishes as any save does (markers and claim stay, outside the manifest). A writer that finds fewer markers, or
-       a claim already made, is done: a later writer commits.
+       commit by creating ``COMMITTER`` exclusively (O_EXCL; S3 If-None-Match), holding its
+       name, so that exactly one commits: it writes what it alone was to write (the root
+       manifest and the rank table), checks that every file is there at its size, and
+       publishes as any save does (markers and claim stay, outside the manifest). A writer that
+       finds fewer markers, or another's claim, is done: a later writer commits. A claimant
+       that fails gives the claim up (``release``) before it raises; a retry of its own finds
+       its name in the claim. A writer that retries before its marker was written takes
+       nothing for granted and writes its files again; one whose marker is there writes
+       nothing again (its files are whole) and goes on to 3).
 
 A writer that dies leaves its marker unwritten: nobody commits, the lease expires, and the
 collector removes the staging as any dead save's. The last marker written is always seen by
@@ -23,12 +28,17 @@ always committed by someone, unless that one dies too.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 from shardfmt.commit import protocol as _commit
 from shardfmt.commit.lease import lease_owner
 from shardfmt.commit.rename import staging_path
-from shardfmt.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from shardfmt.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    StorageError,
+)
 from shardfmt.format.manifest import COMMITTED_NAME, DATA_DIR, INDEX_DIR, Manifest
 from shardfmt.format.nodepart import COMMITTER_NAME, MARKS_DIR, mark_name
 from shardfmt.format.parse import parse_commit
@@ -74,26 +84,57 @@ def mark(storage: Storage, staging: str, index: int, save_id: str) -> None:
     storage.write_bytes(storage.join(staging, mark_name(index)), save_id.encode() + b"\n")
 
 
-def complete(storage: Storage, staging: str, count: int) -> bool:
-    """3) Whether all ``count`` markers are there and this writer won the claim to commit."""
+def marked(storage: Storage, staging: str, index: int) -> bool:
+    """Whether writer ``index`` said it has written all its files (an earlier try of it)."""
+    return storage.exists(storage.join(staging, mark_name(index)))
+
+
+def complete(storage: Storage, staging: str, count: int, owner: str) -> bool:
+    """3) Whether all ``count`` markers are there and writer ``owner`` holds the claim to commit
+    (won now, or by an earlier try of its own). A failure to write the claim that is not a
+    claim already there raises (the caller retries)."""
     try:
         marks = storage.list_tree(storage.join(staging, MARKS_DIR))
     except CheckpointNotFoundError:
         return False
     if len(set(marks) & {mark_name(k).split("/", 1)[1] for k in range(count)}) < count:
         return False
+    claim = storage.join(staging, COMMITTER_NAME)
     try:
-        storage.write_bytes(storage.join(staging, COMMITTER_NAME), b"", exclusive=True)
-    except (CheckpointExistsError, StorageError):  # claimed, or committed and gone (renamed) already
+        storage.write_bytes(claim, owner.encode() + b"\n", exclusive=True)
+        return True
+    except (CheckpointExistsError, StorageError):  # O_EXCL on a filesystem fails as a StorageError
+        if not storage.exists(claim):
+            raise  # not a claim there: a failure to retry (or the copy is committed and gone)
+    try:  # claimed: by another writer, or by an earlier try of this one
+        return storage.read_bytes(claim, limit=1024, within=staging).strip() == owner.encode()
+    except CheckpointNotFoundError:  # given up by a claimant that failed: a later writer claims
         return False
-    return True
+
+
+def release(storage: Storage, staging: str, owner: str) -> None:
+    """The claimant failed: give the claim up so that a retry (its own or another writer's) can commit."""
+    claim = storage.join(staging, COMMITTER_NAME)
+    try:
+        if storage.read_bytes(claim, limit=1024, within=staging).strip() == owner.encode():
+            storage.remove_tree(claim)
+    except (CheckpointNotFoundError, StorageError):
+        pass
 
 
 def publish(storage: Storage, path: str, staging: str, manifest: Manifest, docs: dict[str, bytes],
-            required: Iterable[str]) -> None:
-    """The winner of the claim: write ``docs`` (name -> bytes) and commit. The markers and the
-    claim stay (never part of the manifest): a writer that listed the markers before the commit
-    then finds the claim taken, or the staging gone."""
+            required: Mapping[str, int | None]) -> None:
+    """The winner of the claim: write ``docs`` (name -> bytes), check that every ``required``
+    file (name -> its size, None: any) is there, and commit. The markers and the claim stay
+    (never part of the manifest): a writer that listed the markers before the commit then finds
+    the claim taken, or the staging gone."""
     for name, raw in sorted(docs.items()):
         storage.write_bytes(storage.join(staging, name), raw)
+    for name, size in sorted(required.items()):
+        try:
+            got = storage.size(storage.join(staging, name), within=staging)
+        except CheckpointNotFoundError:
+            raise CommitError(f"{storage.url(staging)}: {name} is missing; not committing the copy") from None
+        if size is not None and got != size:
+            raise CommitError(f"{storage.url(staging)}: {name} has {got} bytes, not {size}; not committing the copy")
     _commit.publish(storage, path, staging, manifest, required=sorted(required))

@@ -51,7 +51,9 @@ def stage_part(storage: LocalStorage, path: str, save_id: str) -> str:
     """1) Make this node's staging dir for the save ``save_id`` at ``path``; return it."""
     target = staging_path(path, save_id)
     if storage.exists(target):
-        raise CommitError(f"{target}: staging location already exists (save id reused?)")
+        raise CommitError(f"{target}: another node staged this save here too: is the node-local tier a filesystem "
+                          "the nodes share? Give each node a directory of its own ({node} in local=), and the "
+                          "ranks of one machine one node name")
     storage.makedirs(storage.join(target, DATA_DIR))
     storage.makedirs(storage.join(target, INDEX_DIR))
     return target

@@ -15,6 +15,7 @@ from shardfmt.format.parse import parse_commit
 NODE_PART_NAME = "NODE_PART"
 MAX_PART_BYTES = 1 << 20  # a node's record names its ranks: 2^20 bytes hold > 100k of them
 MAX_NODES = 1 << 16
+MAX_ROOT_CHARS = 4096
 MARKS_DIR = "NODES"  # a shared copy being made by every node: NODES/node_<k> once node k copied its files
 COMMITTER_NAME = "COMMITTER"  # ... and the one claim to commit it (commit.joint)
 
@@ -33,12 +34,15 @@ def is_joint_file(name: str) -> bool:
 class NodePart:
     """This process's node in a save on the node-local tier: node ``index`` of ``count`` (nodes
     numbered by their lowest rank), holding ``ranks`` (ascending); ``tier`` names the tier as the
-    job was given it (the same on every rank: what the ranks agree on)."""
+    job was given it (the same on every rank: what the ranks agree on); ``root`` is the URL of the
+    shared tier whose saves the part belongs to (the Checkpointer's root: a restore takes only its
+    own root's parts)."""
 
     index: int
     count: int
     ranks: tuple[int, ...]
     tier: str = ""
+    root: str = ""
 
     def __post_init__(self) -> None:
         if not (0 <= self.index < self.count <= MAX_NODES) or not self.ranks or list(self.ranks) != sorted(set(self.ranks)):
@@ -61,7 +65,7 @@ class PartRecord:
         c = self.commit
         return orjson.dumps({"save_id": c.save_id, "manifest_digest": c.manifest_digest,
                              "format_version": c.format_version, "node": self.part.index, "nodes": self.part.count,
-                             "ranks": list(self.part.ranks), "world_size": self.world_size},
+                             "ranks": list(self.part.ranks), "world_size": self.world_size, "root": self.part.root},
                             option=orjson.OPT_SORT_KEYS) + b"\n"
 
     @classmethod
@@ -76,7 +80,10 @@ class PartRecord:
             if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks) \
                     or not isinstance(world, int) or isinstance(world, bool) or not ranks or ranks[-1] >= world:
                 raise ValueError("ranks must be ints below world_size")
-            part = NodePart(index=o["node"], count=o["nodes"], ranks=tuple(ranks))
+            root = o["root"]
+            if not isinstance(root, str) or len(root) > MAX_ROOT_CHARS:
+                raise ValueError(f"root must be a string of at most {MAX_ROOT_CHARS} characters")
+            part = NodePart(index=o["node"], count=o["nodes"], ranks=tuple(ranks), root=root)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, ShardfmtError) as e:
             raise IntegrityError(f"{source}: not a node part record: {e}") from None
         return cls(commit=commit, part=part, world_size=world)

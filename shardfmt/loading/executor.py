@@ -212,7 +212,9 @@ class Executor:
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         try:
             whole = _read_whole(plan)
-            around = [r.file in whole and self._around_cache(r) and readers.get(r.file).direct for r in plan.reads]
+            # a reader with no ``direct`` (an object store's, a node part's file from the root's copy) reads buffered
+            around = [r.file in whole and self._around_cache(r) and getattr(readers.get(r.file), "direct", False)
+                      for r in plan.reads]
             ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)
             # direct reads mostly wait on the device: more of them keep its queue full
             concurrency = self.storage.read_concurrency

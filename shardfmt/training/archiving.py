@@ -10,33 +10,28 @@ checkpoint alone while it is being copied (``busy``).
 
 from __future__ import annotations
 
-import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from shardfmt.commit.names import parse_step_dir, step_dir_name
 from shardfmt.commit.protocol import commit_strategy
 from shardfmt.errors import ShardfmtError
 from shardfmt.io.store import Storage
 from shardfmt.training.archive import copy_checkpoint, copy_with_retries
+from shardfmt.training.copies import BackgroundCopies
 from shardfmt.training.options import ArchivePolicy
 from shardfmt.training.roots import checkpoint_status, collect_garbage
 
 _FAILURES = (ShardfmtError, OSError)
 
 
-class Archiver:
+class Archiver(BackgroundCopies):
     """Copy committed checkpoints of ``storage`` to ``archive_root`` on ``archive_storage`` per ``policy``."""
 
     def __init__(self, storage: Storage, archive_storage: Storage, archive_root: str, policy: ArchivePolicy) -> None:
+        super().__init__("archive")
         self.storage = storage
         self.archive_storage, self.archive_root = archive_storage, archive_root
         self.policy = policy
-        self.errors: list[str] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._jobs: list[Future] = []
-        self._archiving: set[str] = set()  # local paths being copied: retention leaves them alone
-        self._lock = threading.Lock()
         self._last_archived_bucket: int | None = None
 
     def _archived_steps(self) -> list[int]:
@@ -60,10 +55,7 @@ class Archiver:
             if bucket <= self._last_archived_bucket:
                 return
             self._last_archived_bucket = bucket
-            self._archiving.add(path)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-archive")
-            self._jobs.append(self._pool.submit(self.copy, step, path))
+        self.submit(path, lambda: self.copy(step, path))
 
     def copy(self, step: int, path: str) -> None:
         """Copy ``step`` (at ``path``) to the archive, with retries; report a failure, never raise it."""
@@ -87,33 +79,11 @@ class Archiver:
             copy_with_retries(lambda: copy_checkpoint(self.storage, path, self.archive_storage, dst),
                               attempts=self.policy.attempts, backoff=self.policy.backoff, on_retry=retry)
         except Exception as e:  # noqa: BLE001 - never into training: reported instead
-            msg = f"archiving step {step} to {where} failed: {type(e).__name__}: {e}"
-            self.errors.append(msg)
-            warnings.warn(msg, stacklevel=2)
+            self.fail(f"archiving step {step} to {where} failed: {type(e).__name__}: {e}")
             with self._lock:  # the bucket has no copy: the next save (re-listing the archive) tries again
                 self._last_archived_bucket = None
-        finally:
-            with self._lock:
-                self._archiving.discard(path)
 
     def forget(self) -> None:
         """List the archive again at the next save (after a rollback set archived steps aside)."""
         with self._lock:
             self._last_archived_bucket = None
-
-    def busy(self, path: str) -> bool:
-        """True while the checkpoint at ``path`` is queued or being copied."""
-        with self._lock:
-            return path in self._archiving
-
-    def wait(self) -> None:
-        """Block until every queued copy has finished."""
-        jobs, self._jobs = self._jobs, []
-        for f in jobs:
-            f.result()
-
-    def close(self) -> None:
-        """Wait for the copies and stop the copying thread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

@@ -118,7 +118,8 @@ class Checkpointer:
             self._archiver = Archiver(self.storage, self._archive_tier.storage, self._archive_tier.root, opts.archive)
         self._local: LocalTier | None = None
         if opts.local.url:
-            self._local = LocalTier(opts.local, self.storage, self.root, self._ranks, opts.archive)
+            self._local = LocalTier(opts.local, self.storage, self.root, self._ranks, opts.archive,
+                                    storage_options=self.storage_options)
         self._root_checked = False  # the root rules (spec/ROOTS.md section 1) hold: checked at restore or the first save
         self._saves = PendingSaves()
         self._chain = _Chain()
@@ -395,6 +396,8 @@ class Checkpointer:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise StateDictError(f"step must be an int >= 0 or None, got {step!r}")
         t0 = time.perf_counter()
+        if self._local is not None:
+            self._local.wait_all()  # every rank, together: no rank sits in a collective while a leader copies
         self.wait()
         self._chain.reset()  # a restore starts a run: its first save is full
         self._grad_watch.watch(state)

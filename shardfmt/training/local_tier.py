@@ -34,6 +34,7 @@ from shardfmt.errors import ShardfmtError
 from shardfmt.format.nodepart import NodePart
 from shardfmt.io.local import LocalStorage
 from shardfmt.io.nodepart import NodePartStorage
+from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.training.nodes import NodeMap, local_root, node_name
 from shardfmt.training.options import ArchivePolicy, LocalTierPolicy
@@ -42,6 +43,7 @@ from shardfmt.training.replicate import Replicator, open_part
 from shardfmt.training.roots import collect_garbage
 
 log = logging.getLogger("shardfmt")
+POLL_SECONDS = 0.5  # how often the ranks ask each other whether any node still copies
 _FAILURES = (ShardfmtError, OSError)
 
 
@@ -49,10 +51,14 @@ class LocalTier:
     """This rank's view of the node-local tier: its node, its node's parts, its node's copies."""
 
     def __init__(self, policy: LocalTierPolicy, shared: Storage, shared_root: str, ranks: Ranks,
-                 retry: ArchivePolicy) -> None:
+                 retry: ArchivePolicy, storage_options: dict | None = None) -> None:
         self.policy = policy
         self.storage = LocalStorage()
         self.shared, self.shared_root = shared, shared_root
+        self.url = shared.url(shared_root)  # what every part records: a restore takes its own root's parts only
+        self._options = storage_options
+        if "{node}" not in policy.url and not shared.remote and local_root(policy.url, "") == shared_root:
+            raise ValueError(f"Checkpointer: local= {policy.url!r} is the root itself: give each node's own disk")
         self.ranks = ranks
         self._retry = retry
         self._map: NodeMap | None = None
@@ -66,7 +72,7 @@ class LocalTier:
         return self._map
 
     def part(self) -> NodePart:
-        return self.node_map().part(self.ranks.rank(), self.policy.url)
+        return self.node_map().part(self.ranks.rank(), self.policy.url, self.url)
 
     def leads(self) -> bool:
         return self.part().leads(self.ranks.rank())
@@ -84,24 +90,32 @@ class LocalTier:
         return self._replicator.errors if self._replicator is not None else []
 
     # ------------------------------------------------------------------ saving
+    def _behind(self) -> bool:
+        """Whether any node still copies an earlier save (a collective: the same on every rank)."""
+        busy = self._replicator is not None and self._replicator.any_busy()
+        return any(self.ranks.all_gather(bool(busy)))
+
+    def wait_all(self) -> float:
+        """Every rank waits until no node copies anything (polled together, so no rank sits in a
+        collective while a leader copies); return the seconds waited."""
+        t0 = time.perf_counter()
+        while self._behind():
+            time.sleep(POLL_SECONDS)
+        return time.perf_counter() - t0
+
     def before_save(self, step: int) -> bool:
         """1) Whether this save is copied to the root (the same answer on every rank)."""
-        busy = self._replicator is not None and self._replicator.busy()
-        behind = any(self.ranks.all_gather(bool(busy)))
-        if not behind:
+        if not self._behind():
             return True
         if self.policy.replicate == "skip":
             if self.ranks.rank() == 0:
                 log.warning("shardfmt: step %d stays on the node-local tier only: an earlier save is still being "
-                            "copied to %s (replicate='skip')", step, self.shared.url(self.shared_root))
+                            "copied to %s (replicate='skip')", step, self.url)
             return False
-        t0 = time.perf_counter()
-        if self._replicator is not None:
-            self._replicator.wait()
-        waited = time.perf_counter() - t0
+        waited = self.wait_all()
         if self.ranks.rank() == 0:
             log.warning("shardfmt: step %d waited %.3f s for the copy of an earlier save to %s (replicate='wait')",
-                        step, waited, self.shared.url(self.shared_root))
+                        step, waited, self.url)
         return True
 
     def after_save(self, step: int, replicate: bool) -> None:
@@ -113,18 +127,22 @@ class LocalTier:
             if self._replicator is None:
                 self._replicator = Replicator(self.storage, self.shared, self.shared_root,
                                               attempts=self._retry.attempts, backoff=self._retry.backoff)
-            self._replicator.submit(step_dir_name(step), path)
+            self._replicator.copy(step_dir_name(step), path)
         try:
             self._prune()
             collect_garbage(self.storage, self.root, lease_seconds=self.storage.lease_seconds)
         except _FAILURES as e:  # tidying never fails a committed save
             warnings.warn(f"{self.root}: tidying the node-local tier after step {step} failed: {e}", stacklevel=3)
 
+    def _parts(self) -> list:
+        """This node's parts of this root's saves, oldest first (another root's are left alone)."""
+        return [p for p in list_parts(self.storage, self.root) if p[2].part.root == self.url]
+
     def _prune(self) -> None:
         """Keep this node's ``keep`` newest parts, and any being copied."""
-        parts = list_parts(self.storage, self.root)
+        parts = self._parts()
         for _, path, _ in parts[:-self.policy.keep]:
-            if self._replicator is None or not self._replicator.copying(path):
+            if self._replicator is None or not self._replicator.busy(path):
                 self.storage.remove_tree(path)
 
     def wait(self) -> None:
@@ -142,8 +160,8 @@ class LocalTier:
         if step is None or not self.leads():
             return
         try:
-            for s, path, _ in list_parts(self.storage, self.root):
-                if s > step and (self._replicator is None or not self._replicator.copying(path)):
+            for s, path, _ in self._parts():
+                if s > step and (self._replicator is None or not self._replicator.busy(path)):
                     self.storage.remove_tree(path)
         except _FAILURES as e:
             warnings.warn(f"{self.root}: removing the node-local parts after step {step} failed: {e}", stacklevel=3)
@@ -153,7 +171,7 @@ class LocalTier:
         it: of this world size, with this node's ranks exactly (newest first)."""
         me, world = self.part(), self.ranks.world()
         try:
-            parts = list_parts(self.storage, self.root)
+            parts = self._parts()
         except _FAILURES as e:
             warnings.warn(f"{self.root}: cannot list the node-local tier: {e}", stacklevel=3)
             return []
@@ -173,9 +191,10 @@ class LocalTier:
         """A storage that reads the part at ``path`` from this node's disk, and what another node
         holds from the root's copy of the same save when that is committed."""
         _, m, _ = open_part(self.storage, path)
-        there = self.shared.join(self.shared_root, path.rstrip("/").rpartition("/")[2])
+        shared, root = get_storage(self.url, self._options)  # its own: the load counts its bytes there
+        there = shared.join(root, path.rstrip("/").rpartition("/")[2])
         try:
-            same = committed_save(self.shared, there) == m.save_id
+            same = committed_save(shared, there) == m.save_id
         except _FAILURES:
             same = False
-        return NodePartStorage(path, (self.shared, there) if same else None)
+        return NodePartStorage(path, (shared, there) if same else None)

@@ -39,11 +39,11 @@ class NodeMap:
         of = tuple(index.setdefault(n, len(index)) for n in per_rank)
         return cls(names=tuple(index), of=of)
 
-    def part(self, rank: int, tier: str) -> NodePart:
-        """``rank``'s node as a save on the tier names it."""
+    def part(self, rank: int, tier: str, root: str = "") -> NodePart:
+        """``rank``'s node as a save on the tier ``tier`` for the root ``root`` names it."""
         k = self.of[rank]
         return NodePart(index=k, count=len(self.names), ranks=tuple(r for r, n in enumerate(self.of) if n == k),
-                        tier=tier)
+                        tier=tier, root=root)
 
 
 def local_root(url: str, name: str) -> str:

@@ -21,22 +21,21 @@ as a warning and in ``errors``, never raised into training.
 
 from __future__ import annotations
 
-import threading
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from shardfmt.commit import joint
 from shardfmt.commit import protocol as _commit
 from shardfmt.commit.nodepart import read_part
-from shardfmt.errors import IntegrityError, ShardfmtError
+from shardfmt.errors import CommitError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing
 from shardfmt.format.manifest import MANIFEST_NAME, Manifest
-from shardfmt.format.nodepart import NodePart, mark_name
+from shardfmt.format.nodepart import NodePart
 from shardfmt.format.parse import parse_manifest
 from shardfmt.io.documents import rank_entries, read_headers, read_indexes, read_vouched
 from shardfmt.io.local import LocalStorage
 from shardfmt.io.store import Storage
 from shardfmt.training.archive import COPY_PIECE, copy_file, copy_with_retries
+from shardfmt.training.copies import BackgroundCopies
 
 _FAILURES = (ShardfmtError, OSError)
 
@@ -61,29 +60,50 @@ def copy_part(local: LocalStorage, path: str, shared: Storage, dst: str, *, piec
     if staging is None:
         return False  # committed there already
     lease = _commit.Heartbeat(shared, staging, shared.lease_seconds, m.save_id)
+    owner = f"{m.save_id}/node_{part.index:05d}"
     try:
-        indexes = read_indexes(local, path, m, part.ranks, required=False)
-        found = read_headers(local, path, m, indexes, verify=True)
-        buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
-        for rank in sorted(found):
-            for f in found[rank]:
-                _fresh(shared, shared.join(staging, f.name))
-                copy_file(local, path, shared, staging, f.name, f.file_record(), m.chunk_size, buf)
-        del buf
-        for _, e in sorted(rank_entries(local, path, m, part.ranks, required=False).items()):
-            _fresh(shared, shared.join(staging, e.name))
-            shared.write_bytes(shared.join(staging, e.name), read_vouched(local, path, e.name, e.size, e.digest))
-        _fresh(shared, shared.join(staging, mark_name(part.index)))
-        joint.mark(shared, staging, part.index, m.save_id)
-        if not joint.complete(shared, staging, part.count):
+        if not joint.marked(shared, staging, part.index):  # a retry after the marker: its files are whole
+            _copy_files(local, path, m, part, shared, staging, piece)
+            _check_lease(lease, shared, dst)
+            joint.mark(shared, staging, part.index, m.save_id)
+        _check_lease(lease, shared, dst)
+        if not joint.complete(shared, staging, part.count, owner):
             lease.stop()
             return False
-        _commit_copy(local, path, m, shared, dst, staging)
+        try:
+            _check_lease(lease, shared, dst)
+            _commit_copy(local, path, m, shared, dst, staging)
+        except BaseException:
+            joint.release(shared, staging, owner)  # a retry, this node's or another's, claims again
+            raise
     except BaseException:
         lease.stop()
         raise
     lease.stop(release=True)
     return True
+
+
+def _copy_files(local: LocalStorage, path: str, m: Manifest, part: NodePart, shared: Storage, staging: str,
+                piece: int) -> None:
+    """3) This node's data files, each chunk checked on the way, then its ranks' indexes."""
+    indexes = read_indexes(local, path, m, part.ranks, required=False)
+    found = read_headers(local, path, m, indexes, verify=True)
+    buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
+    for rank in sorted(found):
+        for f in found[rank]:
+            _fresh(shared, shared.join(staging, f.name))
+            copy_file(local, path, shared, staging, f.name, f.file_record(), m.chunk_size, buf)
+    del buf
+    for _, e in sorted(rank_entries(local, path, m, part.ranks, required=False).items()):
+        _fresh(shared, shared.join(staging, e.name))
+        shared.write_bytes(shared.join(staging, e.name), read_vouched(local, path, e.name, e.size, e.digest))
+
+
+def _check_lease(lease: _commit.Heartbeat, shared: Storage, dst: str) -> None:
+    """A copy that outlived its lease writes nothing more there: the prefix may be another save's now."""
+    if lease.lost:
+        raise CommitError(f"{shared.url(dst)}: this copy's lease was collected or taken over while it ran; "
+                          "nothing more is written there")
 
 
 def _commit_copy(local: LocalStorage, path: str, m: Manifest, shared: Storage, dst: str, staging: str) -> None:
@@ -94,8 +114,9 @@ def _commit_copy(local: LocalStorage, path: str, m: Manifest, shared: Storage, d
         shared.write_bytes(shared.join(staging, name), raw)
     everyone = [r for p in m.ranks for r in range(p.first, p.end)]
     indexes = read_indexes(shared, staging, m, everyone, required=False)  # each against the rank table
-    required = set(tables) | {e.name for e in rank_entries(shared, staging, m, everyone, required=False).values()}
-    required |= {name for idx in indexes.values() for name in idx.files}
+    required: dict[str, int | None] = {name: len(raw) for name, raw in tables.items()}
+    required |= {e.name: e.size for e in rank_entries(shared, staging, m, everyone, required=False).values()}
+    required |= {name: f.size for idx in indexes.values() for name, f in idx.files.items()}
     joint.publish(shared, dst, staging, m, {}, required)
 
 
@@ -105,34 +126,17 @@ def _fresh(storage: Storage, path: str) -> None:
         storage.remove_tree(path)
 
 
-class Replicator:
+class Replicator(BackgroundCopies):
     """One node's background copies of its parts to ``shared``/``root`` (its leader's)."""
 
     def __init__(self, local: LocalStorage, shared: Storage, root: str, *, attempts: int, backoff: float) -> None:
+        super().__init__("replicate")
         self.local, self.shared, self.root = local, shared, root
         self.attempts, self.backoff = attempts, backoff
-        self.errors: list[str] = []
-        self._pool: ThreadPoolExecutor | None = None
-        self._jobs: list[Future] = []
-        self._copying: set[str] = set()  # local parts queued or being copied: local retention leaves them
-        self._lock = threading.Lock()
 
-    def busy(self) -> bool:
-        """True while a copy is queued or running."""
-        with self._lock:
-            return bool(self._copying)
-
-    def copying(self, path: str) -> bool:
-        with self._lock:
-            return path in self._copying
-
-    def submit(self, name: str, path: str) -> None:
-        """Copy the part at ``path`` to ``root/name`` in the background."""
-        with self._lock:
-            self._copying.add(path)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfmt-replicate")
-            self._jobs.append(self._pool.submit(self._copy, name, path))
+    def copy(self, name: str, path: str) -> None:
+        """Copy the part at ``path`` to ``root/name`` in the background; report a failure, never raise it."""
+        self.submit(path, lambda: self._copy(name, path))
 
     def _copy(self, name: str, path: str) -> None:
         dst = self.shared.join(self.root, name)
@@ -146,20 +150,4 @@ class Replicator:
             copy_with_retries(lambda: copy_part(self.local, path, self.shared, dst),
                               attempts=self.attempts, backoff=self.backoff, on_retry=retry)
         except Exception as e:  # noqa: BLE001 - never into training: reported instead
-            msg = f"copying {path} to the shared tier {where} failed: {type(e).__name__}: {e}"
-            self.errors.append(msg)
-            warnings.warn(msg, stacklevel=2)
-        finally:
-            with self._lock:
-                self._copying.discard(path)
-
-    def wait(self) -> None:
-        """Block until every queued copy has finished."""
-        jobs, self._jobs = self._jobs, []
-        for f in jobs:
-            f.result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+            self.fail(f"copying {path} to the shared tier {where} failed: {type(e).__name__}: {e}")

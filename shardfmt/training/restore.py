@@ -232,7 +232,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         with clock("verify"):
             failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
         if failing:
-            _raise_unless_the_checkpoints_fault(url, failing)
+            _raise_unless_the_checkpoints_fault(url, failing, local=tier.name == "local")
             dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
             _give_up(tier, path, failing, ranks)
             continue
@@ -317,20 +317,28 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
         err = {"error": f"{type(e).__name__}: {e}", "transient": transient, "caller": caller,
                "version": isinstance(e, FormatVersionError)}  # rewritten by a newer release since listed
         return _Attempt(error=err, partial=getattr(e, "partial_load", False))
+    except Exception as e:  # noqa: BLE001 - not the checkpoint's fault either: told to every rank, raised on all
+        err = {"error": f"{type(e).__name__}: {e}", "transient": False, "caller": False, "version": False,
+               "internal": True}
+        return _Attempt(error=err, partial=True)
     return _Attempt(error=None, sd=sd, fresh_optims=fresh_optims, manifest=manifest, report=report)
 
 
-def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]]) -> None:
-    """Raise, on every rank, when a rank's failure is not the checkpoint's fault (nothing is quarantined)."""
+def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]], *, local: bool = False) -> None:
+    """Raise, on every rank, when a rank's failure is not the checkpoint's fault (nothing is
+    quarantined). ``local``: a node-local copy, whose storage failures (a node's disk) fall back
+    to the next copy instead: a restart would meet the same disk."""
     def why() -> str:
         return "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
 
+    if any(e.get("internal") for _, e in failing):
+        raise ShardfmtError(f"restoring {url} failed on an unexpected error (nothing was quarantined): " + why())
     if any(e["version"] for _, e in failing):
         raise FormatVersionError(f"restoring {url} (nothing was quarantined): " + why())
     if any(e.get("caller") for _, e in failing):
         raise StateDictError(f"restoring {url}: the state given to restore does not fit the "
                              "checkpoint (nothing was quarantined): " + why())
-    if any(e["transient"] for _, e in failing):
+    if any(e["transient"] for _, e in failing) and not local:
         raise StorageError(f"restoring {url} failed on storage access (nothing was "
                            "quarantined; retry): " + why())
 
@@ -338,8 +346,12 @@ def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]
 def _give_up(tier: Tier, path: str, failing: list[tuple[int, dict]], ranks: Ranks) -> None:
     """Warn on every rank; rank 0 quarantines the root's copy before any rank moves on."""
     why = "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
-    warnings.warn(f"checkpoint {tier.storage.url(path)} is unusable, falling back to the previous one: "
-                  f"{why}", stacklevel=4)
+    if tier.name == "local":
+        warnings.warn(f"the node-local copy {tier.storage.url(path)} cannot be restored here, trying the next copy "
+                      f"(nothing was quarantined): {why}", stacklevel=4)
+    else:
+        warnings.warn(f"checkpoint {tier.storage.url(path)} is unusable, falling back to the previous one: "
+                      f"{why}", stacklevel=4)
     if ranks.rank() == 0 and tier.name == "root":
         quarantine(tier.storage, path, why)
     if ranks.distributed():

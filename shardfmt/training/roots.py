@@ -29,6 +29,7 @@ from shardfmt.format.manifest import (
     QUARANTINED_NAME,
     ROLLED_BACK_NAME,
 )
+from shardfmt.format.nodepart import MAX_PART_BYTES, NODE_PART_NAME, PartRecord
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.loading.reader import open_checkpoint
@@ -40,8 +41,19 @@ from shardfmt.training.retention import lease_expired
 class CheckpointInfo:
     step: int
     path: str
-    status: str  # committed | incomplete | corrupt | quarantined | unsupported
+    status: str  # committed | incomplete | corrupt | quarantined | unsupported | rolled_back | node_part
     reason: str = ""  # why it is not committed
+
+
+def _node_part_reason(storage: Storage, path: str) -> str:
+    """What ``ls`` says of a node part (spec/ROOTS.md section 3)."""
+    try:
+        rec = PartRecord.parse(storage.read_bytes(storage.join(path, NODE_PART_NAME), limit=MAX_PART_BYTES,
+                                                  within=path), source=NODE_PART_NAME)
+    except ShardfmtError as e:
+        return f"a node part whose record is unreadable: {e}"
+    return (f"node {rec.part.index} of {rec.part.count} of save {rec.commit.save_id} on the node-local tier "
+            f"(ranks {rec.part.ranks[0]}-{rec.part.ranks[-1]}; the other parts are on the other nodes' disks)")
 
 
 def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
@@ -60,6 +72,8 @@ def checkpoint_status(storage: Storage, path: str, *, markers_only: bool = False
     if is_rolled_back_dir(name):
         return "rolled_back", None, None, "renamed aside by a rollback to an earlier step"
     if not storage.exists(storage.join(path, COMMITTED_NAME)):
+        if storage.exists(storage.join(path, NODE_PART_NAME)):
+            return "node_part", parse_step_dir(name), None, _node_part_reason(storage, path)
         return "incomplete", None, None, f"no {COMMITTED_NAME}"
     strategy = commit_strategy(storage)
     if strategy.marked_quarantined(path):

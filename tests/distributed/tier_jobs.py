@@ -22,7 +22,7 @@ def _node(rank: int, how: str) -> str:
 
 
 def _model(world: int, seed: int, replicated: bool):
-    """Rows of two matrices on each rank (DTensor Shard(0)), and a plain bias every rank holds
+    """Rows of two matrices on each rank (DTensor Shard(0)), and a plain buffer every rank holds
     whole (``replicated``: written once, by rank 0, on node 0)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -34,7 +34,7 @@ def _model(world: int, seed: int, replicated: bool):
         m.register_parameter(k, torch.nn.Parameter(distribute_tensor(torch.randn(512, 256, generator=g), mesh,
                                                                      [Shard(0)])))
     if replicated:
-        m.register_buffer("bias", torch.randn(4096, generator=g))
+        m.register_buffer("bias", torch.randn(1024, 1024, generator=g))  # 4 MiB: most of rank 0's file, read by node 1
     return m
 
 
