@@ -11,6 +11,8 @@ the shared tier a prefix on the loopback S3 server (tests/s3_server.py, moto, it
 - ``straight``: ``Checkpointer(s3_root)``: every save written to S3 before ``save`` returns
 - ``async``: ``Checkpointer(s3_root)`` with ``save(async_=True)``: the state is snapshotted
   into host buffers and written to S3 behind the loop (a save waits for the previous one)
+- ``local-async``: the local tier with ``save(async_=True)``: snapshotted, written to the
+  node's disk behind the loop, then copied to S3
 
 Each job does ``--saves`` saves of the same state (DTensor Shard(0) rows of ``--size-mib``
 MiB, and a replicated bias every node needs from rank 0's file), ``--compute`` seconds of
@@ -40,7 +42,7 @@ from benchmarks.harness.launch import free_port  # noqa: E402
 from benchmarks.harness.s3 import CREDS, Server  # noqa: E402
 from benchmarks.standalone import parser, summary, write_json  # noqa: E402
 
-CANDIDATES = ("local", "straight", "async")
+CANDIDATES = ("local", "local-async", "straight", "async")
 
 
 def worker(args: dict) -> dict:
@@ -67,14 +69,15 @@ def worker(args: dict) -> dict:
                                                                              mesh, [Shard(0)])))
     m.register_buffer("bias", torch.randn(4096, generator=g))
     kind = args["kind"]
-    kw = {"local": args["local"], "node": f"n{rank}", "replicate": args["replicate"]} if kind == "local" else {}
+    local = kind.startswith("local")
+    kw = {"local": args["local"], "node": f"n{rank}", "replicate": args["replicate"]} if local else {}
     ck = shardfmt.Checkpointer(args["root"], keep_last=args["saves"], **kw)
     blocked = []
     for step in range(1, args["saves"] + 1):
         time.sleep(args["compute"])
         dist.barrier()
         t0 = time.perf_counter()
-        ck.save(step, {"model": m}, async_=kind == "async")
+        ck.save(step, {"model": m}, async_=kind.endswith("async"))
         blocked.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     ck.wait()
@@ -133,7 +136,8 @@ def main() -> None:
     per: dict[str, list[dict]] = {k: [] for k in CANDIDATES}
     try:
         for rnd in range(-opts.warmup, opts.rounds):
-            order = CANDIDATES[rnd % 3:] + CANDIDATES[:rnd % 3]
+            k = rnd % len(CANDIDATES)
+            order = CANDIDATES[k:] + CANDIDATES[:k]
             for kind in order:
                 res = run_job(kind, rnd, opts, scratch, env)
                 blocked = [b for r in res for b in r["blocked"]]
@@ -151,16 +155,17 @@ def main() -> None:
         out["candidates"][kind] = {"blocked": summary([r["blocked_median"] for r in rows]),
                                    "drain": summary([r["drain"] for r in rows]),
                                    "copied": [r["copied"] for r in rows], "rounds": rows}
-    for other in ("straight", "async"):
-        ratios = [a["blocked_median"] / b["blocked_median"] for a, b in zip(per["local"], per[other])]
-        out[f"local/{other}"] = summary(ratios)
+    pairs = (("local", "straight"), ("local-async", "straight"), ("local-async", "async"))
+    for one, other in pairs:
+        ratios = [a["blocked_median"] / b["blocked_median"] for a, b in zip(per[one], per[other])]
+        out[f"{one}/{other}"] = summary(ratios)
     for kind in CANDIDATES:
         s = out["candidates"][kind]["blocked"]
         print(f"{kind:8s} blocked per save: median {s['median']:.3f} s [{s['q1']:.3f}, {s['q3']:.3f}]; "
               f"saves on S3 per job: {out['candidates'][kind]['copied']}")
-    for other in ("straight", "async"):
-        s = out[f"local/{other}"]
-        print(f"local / {other} (paired per round): {s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]")
+    for one, other in pairs:
+        s = out[f"{one}/{other}"]
+        print(f"{one} / {other} (paired per round): {s['median']:.3f} [{s['q1']:.3f}, {s['q3']:.3f}]")
     write_json(opts.json, out)
 
 

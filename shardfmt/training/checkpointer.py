@@ -79,7 +79,13 @@ from shardfmt.training.restore import (
     restore_first_valid,
     roll_back_newer,
 )
-from shardfmt.training.roots import CheckpointInfo, collect_garbage, list_steps, newest_committed
+from shardfmt.training.roots import (
+    CheckpointInfo,
+    collect_garbage,
+    list_steps,
+    newest_committed,
+    set_aside_in_place,
+)
 from shardfmt.training.saves import PendingSaves
 
 __all__ = ["Checkpointer", "CheckpointerOptions"]
@@ -117,6 +123,7 @@ class Checkpointer:
             self._archive_tier = _archive_tier(opts, self._tier)
             self._archiver = Archiver(self.storage, self._archive_tier.storage, self._archive_tier.root, opts.archive)
         self._local: LocalTier | None = None
+        self._aside: set[int] | None = None  # with local=: steps an object store's root holds set aside in place
         if opts.local.url:
             self._local = LocalTier(opts.local, self.storage, self.root, self._ranks, opts.archive,
                                     storage_options=self.storage_options)
@@ -174,8 +181,8 @@ class Checkpointer:
             meta["save_costs"] = {"saves": len(st.saves), "blocked_s": st.blocked, "total_s": st.total,
                                   "last": {"step": last.step, "blocked_s": last.blocked, "total_s": last.total,
                                            "bytes": last.bytes}}
-        path = self._step_dir(step)
-        url = self.storage.url(path)
+        path = self._step_dir(step) if self._local is None else self._local_step(step)
+        url = self.storage.url(path) if self._local is None else path  # a part: on this node's own disk
         opts = self.options
         base = self._chain.base(path, opts)
         t0, io0 = time.perf_counter(), io_stats()["bytes_written"]
@@ -185,7 +192,6 @@ class Checkpointer:
         replicate = False
         if self._local is not None:  # each node's part on its own disk; copied to the root behind the training
             replicate = self._local.before_save(step)
-            path = url = self._local.path(step)
             common["options"] = SaveOptions(node_part=self._local.part(), overwrite=True)
         if async_:
             held: list = []  # the handle, once async_save returns (the commit comes after)
@@ -295,11 +301,30 @@ class Checkpointer:
             self.storage.remove_tree(path)
         return path
 
+    def _local_step(self, step: int) -> str:
+        """``step``'s part on this rank's node. Rank 0 applies the root rules once, and takes a
+        checkpoint of ``step`` that an object store's root holds set aside in place out of the
+        copy's way (the root is listed once, at the first save and after a restore: no request
+        to the root in a save's path otherwise)."""
+        if not self._root_checked:
+            self._check_root()
+        if self._ranks.rank() == 0:
+            if self._aside is None:
+                self._aside = set_aside_in_place(self.storage, self.root)
+            if step in self._aside:
+                self._step_dir(step)
+                self._aside.discard(step)
+        return self._local.path(step)
+
     def _after_commit(self, step: int, replicate: bool = False) -> None:
-        if self._local is not None:
-            self._local.after_save(step, replicate)
-        if self._ranks.rank() != 0:
+        if self._local is not None:  # the root's upkeep follows rank 0's node's copy, behind the training
+            self._local.after_save(step, replicate, then=self._keep_root if self._ranks.rank() == 0 else None)
             return
+        if self._ranks.rank() == 0:
+            self._keep_root(step)
+
+    def _keep_root(self, step: int) -> None:
+        """Rank 0, after ``step`` reached the root: archive, retention, garbage collection there."""
         try:
             if self._local is not None and not self.storage.exists(self.root):
                 return  # an object store's root before the first copy there committed: nothing to keep or collect
@@ -432,6 +457,7 @@ class Checkpointer:
         got = restored.step if restored is not None else None
         if self._local is not None:
             self._local.forget_after(got)
+            self._aside = None  # the restore may have set checkpoints of the root aside: listed again
         self.restored_step = got
         self.restored_tier = restored.tier if restored is not None else None
         self.restored_metadata = restored.metadata if restored is not None else None

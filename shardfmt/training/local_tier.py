@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Callable
 
 from shardfmt.commit.joint import committed_save
 from shardfmt.commit.names import step_dir_name
@@ -118,8 +119,9 @@ class LocalTier:
                         step, waited, self.url)
         return True
 
-    def after_save(self, step: int, replicate: bool) -> None:
-        """3) The node's leader queues the copy and tidies its disk; never raises into training."""
+    def after_save(self, step: int, replicate: bool, *, then: Callable[[int], None] | None = None) -> None:
+        """3) The node's leader queues the copy (and ``then(step)`` after it, on the copying
+        thread: rank 0's upkeep of the root) and tidies its disk; never raises into training."""
         if not self.leads():
             return
         path = self.path(step)
@@ -127,7 +129,7 @@ class LocalTier:
             if self._replicator is None:
                 self._replicator = Replicator(self.storage, self.shared, self.shared_root,
                                               attempts=self._retry.attempts, backoff=self._retry.backoff)
-            self._replicator.copy(step_dir_name(step), path)
+            self._replicator.copy(step_dir_name(step), path, then=then)
         try:
             self._prune()
             collect_garbage(self.storage, self.root, lease_seconds=self.storage.lease_seconds)

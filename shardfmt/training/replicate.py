@@ -22,9 +22,11 @@ as a warning and in ``errors``, never raised into training.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 from shardfmt.commit import joint
 from shardfmt.commit import protocol as _commit
+from shardfmt.commit.names import parse_step_dir
 from shardfmt.commit.nodepart import read_part
 from shardfmt.errors import CommitError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing
@@ -134,9 +136,14 @@ class Replicator(BackgroundCopies):
         self.local, self.shared, self.root = local, shared, root
         self.attempts, self.backoff = attempts, backoff
 
-    def copy(self, name: str, path: str) -> None:
-        """Copy the part at ``path`` to ``root/name`` in the background; report a failure, never raise it."""
-        self.submit(path, lambda: self._copy(name, path))
+    def copy(self, name: str, path: str, *, then: Callable[[int], None] | None = None) -> None:
+        """Copy the part at ``path`` to ``root/name`` in the background, then run ``then(step)``
+        there (whether the copy succeeded or not); report a failure, never raise it."""
+        def run() -> None:
+            self._copy(name, path)
+            if then is not None:
+                then(parse_step_dir(name))
+        self.submit(path, run)
 
     def _copy(self, name: str, path: str) -> None:
         dst = self.shared.join(self.root, name)

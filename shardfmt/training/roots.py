@@ -204,6 +204,18 @@ def step_paths(storage: Storage, root: str) -> list[tuple[int, str]]:
     return sorted((step, path) for step, path in found if step is not None)
 
 
+def set_aside_in_place(storage: Storage, root: str) -> set[int]:
+    """The steps whose checkpoint an object store's root holds set aside in place (quarantined
+    or rolled back: marked, not renamed); none on a filesystem or when the root cannot be listed."""
+    if not commit_strategy(storage).in_place:
+        return set()
+    try:
+        return {step for step, path in step_paths(storage, root)
+                if checkpoint_status(storage, path, markers_only=True)[0] in ("quarantined", "rolled_back")}
+    except (ShardfmtError, OSError):
+        return set()
+
+
 def list_steps(storage: Storage, root: str) -> list[CheckpointInfo]:
     """Every ``step_*`` under ``root``, oldest first, with its status."""
     out = []
