@@ -13,6 +13,8 @@ the shared tier a prefix on the loopback S3 server (tests/s3_server.py, moto, it
   into host buffers and written to S3 behind the loop (a save waits for the previous one)
 - ``local-async``: the local tier with ``save(async_=True)``: snapshotted, written to the
   node's disk behind the loop, then copied to S3
+- ``floor``: each rank writes the bytes it holds to a file on its node's disk (write, xxh3,
+  fsync): the raw write of what the local tier's save writes
 
 Each job does ``--saves`` saves of the same state (DTensor Shard(0) rows of ``--size-mib``
 MiB, and a replicated bias every node needs from rank 0's file), ``--compute`` seconds of
@@ -42,7 +44,7 @@ from benchmarks.harness.launch import free_port  # noqa: E402
 from benchmarks.harness.s3 import CREDS, Server  # noqa: E402
 from benchmarks.standalone import parser, summary, write_json  # noqa: E402
 
-CANDIDATES = ("local", "local-async", "straight", "async")
+CANDIDATES = ("local", "local-async", "straight", "async", "floor")
 
 
 def worker(args: dict) -> dict:
@@ -69,6 +71,8 @@ def worker(args: dict) -> dict:
                                                                              mesh, [Shard(0)])))
     m.register_buffer("bias", torch.randn(4096, generator=g))
     kind = args["kind"]
+    if kind == "floor":
+        return _floor(args, [p.to_local() for p in m.parameters()], rank)
     local = kind.startswith("local")
     kw = {"local": args["local"], "node": f"n{rank}", "replicate": args["replicate"]} if local else {}
     ck = shardfmt.Checkpointer(args["root"], keep_last=args["saves"], **kw)
@@ -87,6 +91,31 @@ def worker(args: dict) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return {"blocked": blocked, "drain": drain, "copied": copied}
+
+
+def _floor(args: dict, tensors: list, rank: int) -> dict:
+    """The raw write of this rank's bytes to its node's disk, at each save's point in the loop."""
+    import torch.distributed as dist
+    import xxhash
+
+    blocked = []
+    folder = args["local"].replace("{node}", f"n{rank}")
+    os.makedirs(folder, exist_ok=True)
+    for step in range(1, args["saves"] + 1):
+        time.sleep(args["compute"])
+        dist.barrier()
+        t0 = time.perf_counter()
+        with open(os.path.join(folder, f"floor_{step}.bin"), "wb") as f:
+            for t in tensors:
+                mv = memoryview(t.detach().numpy()).cast("B")
+                xxhash.xxh3_128(mv).digest()
+                f.write(mv)
+            f.flush()
+            os.fsync(f.fileno())
+        blocked.append(time.perf_counter() - t0)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"blocked": blocked, "drain": 0.0, "copied": 0}
 
 
 def run_job(kind: str, rnd: int, opts, scratch: str, env: dict) -> list[dict]:
@@ -155,7 +184,7 @@ def main() -> None:
         out["candidates"][kind] = {"blocked": summary([r["blocked_median"] for r in rows]),
                                    "drain": summary([r["drain"] for r in rows]),
                                    "copied": [r["copied"] for r in rows], "rounds": rows}
-    pairs = (("local", "straight"), ("local-async", "straight"), ("local-async", "async"))
+    pairs = (("local", "straight"), ("local", "floor"), ("local-async", "straight"), ("local-async", "async"))
     for one, other in pairs:
         ratios = [a["blocked_median"] / b["blocked_median"] for a, b in zip(per[one], per[other])]
         out[f"{one}/{other}"] = summary(ratios)

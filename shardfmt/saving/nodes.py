@@ -30,25 +30,32 @@ from shardfmt.saving.coordinator import Coordinator
 from shardfmt.saving.messages import Committed, Done, RankError, Staged
 
 
-def stage_nodes(coord: Coordinator, storage, path: str, staged: Staged, part: NodePart) -> Staged:
+def stage_nodes(coord: Coordinator, storage, path: str, staged: Staged, part: NodePart
+                ) -> tuple[Staged, _commit.Heartbeat | None]:
     """5) Every node's leader (node 0's is rank 0, which staged already) stages ``path`` on its
-    own disk under rank 0's staging name; return where this rank's node stages."""
+    own disk under rank 0's staging name, and keeps its lease fresh (a collector on the node
+    leaves it alone) until ``commit_nodes`` or ``abort_node``; return where this rank's node
+    stages, and the leader's heartbeat."""
     mine = local_staging(path, staged.staging)
     msg: Done | RankError = Done()
+    lease = None
     if part.leads(coord.rank) and part.index != 0:
         try:
             stage_part(storage, path, staged.save_id)
+            lease = _commit.Heartbeat(storage, mine, storage.lease_seconds, staged.save_id)
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(coord.rank, e)
     outcomes = coord.gather(msg, Done.from_json, "staging on every node")
     if any(isinstance(o, RankError) for o in outcomes):
-        abort_node(coord, storage, mine, part)
+        abort_node(coord, storage, mine, part, lease)
         coord.raise_failures(outcomes, "staging on every node")
-    return Staged(save_id=staged.save_id, staging=mine, name_tag=staged.name_tag)
+    return Staged(save_id=staged.save_id, staging=mine, name_tag=staged.name_tag), lease
 
 
-def abort_node(coord: Coordinator, storage, staging: str, part: NodePart) -> None:
+def abort_node(coord: Coordinator, storage, staging: str, part: NodePart, lease: _commit.Heartbeat | None) -> None:
     """A failed save: every other node's leader removes its staging dir (rank 0's writer removes node 0's)."""
+    if lease is not None:
+        lease.stop()
     if part.leads(coord.rank) and part.index != 0:
         _commit.abort(storage, staging)
 
@@ -59,9 +66,12 @@ def tables_of(storage, path: str, manifest: Manifest) -> tuple[tuple[str, str], 
                  for p in manifest.ranks)
 
 
-def commit_nodes(coord: Coordinator, storage, path: str, staged: Staged, part: NodePart, outcome: Committed) -> None:
+def commit_nodes(coord: Coordinator, storage, path: str, staged: Staged, part: NodePart, outcome: Committed,
+                 lease: _commit.Heartbeat | None) -> None:
     """7) Every other node's leader commits its part with rank 0's bytes; all agree on the outcome."""
     msg: Done | RankError = Done()
+    if lease is not None:
+        lease.stop()  # a commit of the part, or its removal, follows: the staging dir is done with
     if part.leads(coord.rank) and part.index != 0:
         try:
             m = outcome.manifest

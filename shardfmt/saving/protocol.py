@@ -208,6 +208,7 @@ class _Run:
     groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # v2: first rank -> its group
     base: str | None = None  # an incremental save's base (``saving.base``), as the storage resolves it
     base_root: Manifest | None = None  # rank 0: the base's root manifest, read once
+    node_lease: Any = None  # the node-local tier: another node's leader's heartbeat on its staging dir
 
     def agree(self, step: int | None) -> RankState | RankError:
         """2) Agree on the step, the destination and the replicated values; return this rank's message."""
@@ -288,7 +289,8 @@ class _Run:
         self.coord.raise_failures([staged], "staging the checkpoint")
         if self.options.node_part is not None:
             try:
-                staged = stage_nodes(self.coord, self.storage, self.path, staged, self.options.node_part)
+                staged, self.node_lease = stage_nodes(self.coord, self.storage, self.path, staged,
+                                                      self.options.node_part)
             except BaseException:
                 if writer is not None:
                     writer.abort()
@@ -299,7 +301,7 @@ class _Run:
     def abort_node(self) -> None:
         """A failed save on the node-local tier: this node's staging dir goes too (``saving.nodes``)."""
         if self.options.node_part is not None and self.staged is not None:
-            abort_node(self.coord, self.storage, self.staged.staging, self.options.node_part)
+            abort_node(self.coord, self.storage, self.staged.staging, self.options.node_part, self.node_lease)
 
     def write(self, state: RankState, writers: Mapping[WriteKey, int], decode, gather) -> list[Written] | None:
         """6) Write this rank's file into the staging dir; ``gather`` what every rank wrote
@@ -395,7 +397,7 @@ class _Run:
         outcome = self.coord.broadcast(msg, Committed.from_json, "committing")
         self.coord.raise_failures([outcome], "committing")
         if part is not None:
-            commit_nodes(self.coord, self.storage, self.path, self.staged, part, outcome)
+            commit_nodes(self.coord, self.storage, self.path, self.staged, part, outcome, self.node_lease)
         return outcome.manifest
 
 
