@@ -146,21 +146,32 @@ def test_a_part_reads_through_its_node_storage_and_names_what_it_lacks(tmp_path)
         shardfmt.load(out, path, storage=NodePartStorage(path))
 
 
+SID = "0123456789abcdef"
+
+
 def test_a_joint_copy_commits_once_when_every_writer_marked(tmp_path):
     st = LocalStorage()
     dst = str(tmp_path / "shared" / STEP.format(1))
-    staging = joint.join(st, dst, "0123456789abcdef")
-    assert joint.join(st, dst, "0123456789abcdef") == staging  # a second writer joins
-    joint.mark(st, staging, 0, "0123456789abcdef")
-    assert not joint.complete(st, staging, 2, "a")  # node 1 has not copied: nobody commits
-    joint.mark(st, staging, 1, "0123456789abcdef")
-    assert joint.complete(st, staging, 2, "a")
-    assert not joint.complete(st, staging, 2, "b")  # the claim is a's: exactly one commits
-    assert joint.complete(st, staging, 2, "a")  # ... and a retry of a's finds it its own
+    staging = joint.join(st, dst, SID)
+    assert joint.join(st, dst, SID) == staging  # a second writer joins
+    joint.mark(st, staging, 0, SID)
+    assert not joint.complete(st, staging, 2, "a", SID)  # node 1 has not copied: nobody commits
+    st.write_bytes(os.path.join(staging, "NODES", "node_00001"), b"fedcba9876543210\n")  # another save's marker
+    assert not joint.complete(st, staging, 2, "a", SID) and not joint.marked(st, staging, 1, SID)
+    os.remove(os.path.join(staging, "NODES", "node_00001"))
+    joint.mark(st, staging, 1, SID)
+    assert joint.complete(st, staging, 2, "a", SID)
+    assert not joint.complete(st, staging, 2, "b", SID)  # the claim is a's: exactly one commits
+    assert joint.complete(st, staging, 2, "a", SID)  # ... and a retry of a's finds it its own
     joint.release(st, staging, "b")  # not b's to give up
-    assert not joint.complete(st, staging, 2, "b")
+    assert not joint.complete(st, staging, 2, "b", SID)
     joint.release(st, staging, "a")  # a failed: the next writer claims
-    assert joint.complete(st, staging, 2, "b")
+    assert joint.complete(st, staging, 2, "b", SID)
+    joint.release(st, staging, "b")
+    st.write_bytes(os.path.join(staging, "COMMITTER"), b"")  # a claim whose write failed after its file was made
+    with pytest.raises(shardfmt.errors.CommitError, match="empty claim"):
+        joint.complete(st, staging, 2, "a", SID)
+    assert joint.complete(st, staging, 2, "a", SID)  # removed: the retry claims
 
 
 def _part_of(tmp_path, root: str):
@@ -301,3 +312,25 @@ def test_a_part_reads_what_another_node_holds_from_the_roots_copy_on_an_object_s
     rep = shardfmt.load(out, path, storage=st)
     assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
     assert st.from_shared == {"data/rank_00000.safetensors"} and rep.bytes_read >= sd["w"].nbytes
+
+
+def test_a_failing_node_disk_is_no_storage_error_to_retry(tmp_path, monkeypatch):
+    """An I/O error on the node's own disk makes the tier's copy unusable (a restore falls
+    back); one reading the root's copy stays a StorageError (the restore fails, to be retried)."""
+    from shardfmt.errors import StorageError
+    from shardfmt.io.nodepart import NodeDiskError
+
+    sd, path = _part_of(tmp_path, "")
+    st = NodePartStorage(path)
+
+    def eio(self, *a, **k):
+        raise StorageError("Input/output error")
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", eio)
+    with pytest.raises(NodeDiskError, match="Input/output"):
+        st.read_bytes(os.path.join(path, "manifest.json"), limit=1 << 20, within=path)
+    monkeypatch.undo()
+    reader = st.open_reader(os.path.join(path, "data", "rank_00000.safetensors"), within=path)
+    monkeypatch.setattr(type(reader._reader), "readinto", eio)
+    with pytest.raises(NodeDiskError):
+        reader.readinto(0, [memoryview(bytearray(8))])

@@ -28,6 +28,7 @@ always committed by someone, unless that one dies too.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from shardfmt.commit import protocol as _commit
@@ -43,6 +44,9 @@ from shardfmt.format.manifest import COMMITTED_NAME, DATA_DIR, INDEX_DIR, Manife
 from shardfmt.format.nodepart import COMMITTER_NAME, MARKS_DIR, mark_name
 from shardfmt.format.parse import parse_commit
 from shardfmt.io.store import Storage
+
+EMPTY_CLAIM_LOOKS = 4  # a claim's file is made, then its few bytes written: seen empty this often, apart ...
+EMPTY_CLAIM_WAIT = 0.25  # ... by this many seconds, its write failed
 
 
 def committed_save(storage: Storage, path: str) -> str | None:
@@ -84,12 +88,17 @@ def mark(storage: Storage, staging: str, index: int, save_id: str) -> None:
     storage.write_bytes(storage.join(staging, mark_name(index)), save_id.encode() + b"\n")
 
 
-def marked(storage: Storage, staging: str, index: int) -> bool:
-    """Whether writer ``index`` said it has written all its files (an earlier try of it)."""
-    return storage.exists(storage.join(staging, mark_name(index)))
+def marked(storage: Storage, staging: str, index: int, save_id: str) -> bool:
+    """Whether writer ``index`` said it has written all its files of save ``save_id`` (an
+    earlier try of it); a marker of another save (a reused prefix's leftover) is none."""
+    try:
+        raw = storage.read_bytes(storage.join(staging, mark_name(index)), limit=1024, within=staging)
+    except CheckpointNotFoundError:
+        return False
+    return raw.strip() == save_id.encode()
 
 
-def complete(storage: Storage, staging: str, count: int, owner: str) -> bool:
+def complete(storage: Storage, staging: str, count: int, owner: str, save_id: str) -> bool:
     """3) Whether all ``count`` markers are there and writer ``owner`` holds the claim to commit
     (won now, or by an earlier try of its own). A failure to write the claim that is not a
     claim already there raises (the caller retries)."""
@@ -99,6 +108,8 @@ def complete(storage: Storage, staging: str, count: int, owner: str) -> bool:
         return False
     if len(set(marks) & {mark_name(k).split("/", 1)[1] for k in range(count)}) < count:
         return False
+    if not all(marked(storage, staging, k, save_id) for k in range(count)):
+        return False  # a marker of another save: that writer has not written this one's files
     claim = storage.join(staging, COMMITTER_NAME)
     try:
         storage.write_bytes(claim, owner.encode() + b"\n", exclusive=True)
@@ -106,10 +117,25 @@ def complete(storage: Storage, staging: str, count: int, owner: str) -> bool:
     except (CheckpointExistsError, StorageError):  # O_EXCL on a filesystem fails as a StorageError
         if not storage.exists(claim):
             raise  # not a claim there: a failure to retry (or the copy is committed and gone)
-    try:  # claimed: by another writer, or by an earlier try of this one
-        return storage.read_bytes(claim, limit=1024, within=staging).strip() == owner.encode()
-    except CheckpointNotFoundError:  # given up by a claimant that failed: a later writer claims
-        return False
+    holder = _holder(storage, claim, staging)
+    if holder == b"":  # a claim whose write failed after its file was made: nobody's; gone, and retried
+        storage.remove_tree(claim)
+        raise CommitError(f"{storage.url(claim)}: an empty claim (a failed write): removed; the copy is retried")
+    return holder == owner.encode()
+
+
+def _holder(storage: Storage, claim: str, staging: str) -> bytes | None:
+    """Who holds the claim (b"": a claim still empty a moment after it was seen: its write
+    failed; None: given up meanwhile)."""
+    for _ in range(EMPTY_CLAIM_LOOKS):
+        try:
+            got = storage.read_bytes(claim, limit=1024, within=staging).strip()
+        except CheckpointNotFoundError:  # given up by a claimant that failed: a later writer claims
+            return None
+        if got:
+            return got
+        time.sleep(EMPTY_CLAIM_WAIT)
+    return b""
 
 
 def release(storage: Storage, staging: str, owner: str) -> None:

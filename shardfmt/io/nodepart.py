@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from shardfmt.errors import ShardfmtError
+from shardfmt.errors import CheckpointNotFoundError, ShardfmtError, StorageError
 from shardfmt.format.manifest import COMMITTED_NAME
 from shardfmt.format.nodepart import MAX_PART_BYTES, NODE_PART_NAME, PartRecord
 from shardfmt.io.local import LocalStorage
@@ -23,6 +23,33 @@ from shardfmt.io.store import Storage
 class NodeMissError(ShardfmtError):
     """A load needs a file that another node holds, and no other tier has this save's copy (not
     a missing file: the checkpoint is whole, on other disks; nothing is quarantined for it)."""
+
+
+class NodeDiskError(ShardfmtError):
+    """This node's own disk failed reading its part (an I/O error): not a failure a retry
+    mends, unlike one reading the root's copy (a ``StorageError``): a restore falls back."""
+
+
+class _DiskReader:
+    """A reader of this node's disk whose storage failures are ``NodeDiskError``s."""
+
+    def __init__(self, reader) -> None:
+        self._reader = reader
+
+    def readinto(self, offset, buffers) -> None:
+        try:
+            self._reader.readinto(offset, buffers)
+        except StorageError as e:
+            raise NodeDiskError(str(e)) from None
+
+    def read_block(self, *args) -> None:
+        try:
+            self._reader.read_block(*args)
+        except StorageError as e:
+            raise NodeDiskError(str(e)) from None
+
+    def __getattr__(self, name):  # direct, prefetch, release, close: as the disk's reader has them
+        return getattr(self._reader, name)
 
 
 class NodePartStorage(LocalStorage):
@@ -64,7 +91,7 @@ class NodePartStorage(LocalStorage):
     def size(self, path: str, *, within: str | None = None) -> int:
         where = self._elsewhere(path)
         if where is None:
-            return super().size(path, within=within)
+            return _on_disk(lambda: super(NodePartStorage, self).size(path, within=within))
         return where[0].size(where[1], within=self.shared[1])
 
     def read_bytes(self, path: str, *, limit: int, within: str | None = None) -> bytes:
@@ -74,11 +101,22 @@ class NodePartStorage(LocalStorage):
             return PartRecord.parse(raw, source=marker).commit.to_json()
         where = self._elsewhere(path)
         if where is None:
-            return super().read_bytes(path, limit=limit, within=within)
+            return _on_disk(lambda: super(NodePartStorage, self).read_bytes(path, limit=limit, within=within))
         return where[0].read_bytes(where[1], limit=limit, within=self.shared[1])
 
     def open_reader(self, path: str, size: int | None = None, *, within: str | None = None):
         where = self._elsewhere(path)
         if where is None:
-            return super().open_reader(path, size, within=within)
+            return _DiskReader(_on_disk(lambda: super(NodePartStorage, self).open_reader(path, size, within=within)))
         return where[0].open_reader(where[1], size, within=self.shared[1])
+
+
+def _on_disk(call):
+    """``call()``, a read of this node's disk: its storage failures are ``NodeDiskError``s (a
+    missing file stays a ``CheckpointNotFoundError``: the checkpoint's own fault)."""
+    try:
+        return call()
+    except CheckpointNotFoundError:
+        raise
+    except StorageError as e:
+        raise NodeDiskError(str(e)) from None

@@ -45,7 +45,11 @@ def stage_nodes(coord: Coordinator, storage, path: str, staged: Staged, part: No
             lease = _commit.Heartbeat(storage, mine, storage.lease_seconds, staged.save_id)
         except (ShardfmtError, OSError) as e:
             msg = RankError.of(coord.rank, e)
-    outcomes = coord.gather(msg, Done.from_json, "staging on every node")
+    try:
+        outcomes = coord.gather(msg, Done.from_json, "staging on every node")
+    except BaseException:  # a dead or frozen rank: this node's staging goes, its heartbeat stops
+        abort_node(coord, storage, mine, part, lease)
+        raise
     if any(isinstance(o, RankError) for o in outcomes):
         abort_node(coord, storage, mine, part, lease)
         coord.raise_failures(outcomes, "staging on every node")

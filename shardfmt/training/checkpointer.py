@@ -191,6 +191,7 @@ class Checkpointer:
                       base=None if base is None else self.storage.url(base))
         replicate = False
         if self._local is not None:  # each node's part on its own disk; copied to the root behind the training
+            self._saves.wait()  # an earlier async save commits (and queues its copy) before the ranks decide
             replicate = self._local.before_save(step)
             common["options"] = SaveOptions(node_part=self._local.part(), overwrite=True)
         if async_:
@@ -312,7 +313,11 @@ class Checkpointer:
             if self._aside is None:
                 self._aside = set_aside_in_place(self.storage, self.root)
             if step in self._aside:
-                self._step_dir(step)
+                try:
+                    self._step_dir(step)
+                except FAILURES as e:  # the other ranks are on their way into the save: warn; the copy reports it
+                    warnings.warn(f"{self.storage.url(self.root)}: could not clear step {step}'s set-aside "
+                                  f"checkpoint for its copy: {e}", stacklevel=3)
                 self._aside.discard(step)
         return self._local.path(step)
 
@@ -422,6 +427,7 @@ class Checkpointer:
             raise StateDictError(f"step must be an int >= 0 or None, got {step!r}")
         t0 = time.perf_counter()
         if self._local is not None:
+            self._saves.wait()  # an async save's commit queues its copy: before the ranks ask who copies
             self._local.wait_all()  # every rank, together: no rank sits in a collective while a leader copies
         self.wait()
         self._chain.reset()  # a restore starts a run: its first save is full

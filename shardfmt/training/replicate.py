@@ -64,12 +64,12 @@ def copy_part(local: LocalStorage, path: str, shared: Storage, dst: str, *, piec
     lease = _commit.Heartbeat(shared, staging, shared.lease_seconds, m.save_id)
     owner = f"{m.save_id}/node_{part.index:05d}"
     try:
-        if not joint.marked(shared, staging, part.index):  # a retry after the marker: its files are whole
-            _copy_files(local, path, m, part, shared, staging, piece)
+        if not joint.marked(shared, staging, part.index, m.save_id):  # a retry after the marker: its files are whole
+            _copy_files(local, path, m, part, shared, staging, piece, lambda: _check_lease(lease, shared, dst))
             _check_lease(lease, shared, dst)
             joint.mark(shared, staging, part.index, m.save_id)
         _check_lease(lease, shared, dst)
-        if not joint.complete(shared, staging, part.count, owner):
+        if not joint.complete(shared, staging, part.count, owner, m.save_id):
             lease.stop()
             return False
         try:
@@ -86,17 +86,20 @@ def copy_part(local: LocalStorage, path: str, shared: Storage, dst: str, *, piec
 
 
 def _copy_files(local: LocalStorage, path: str, m: Manifest, part: NodePart, shared: Storage, staging: str,
-                piece: int) -> None:
-    """3) This node's data files, each chunk checked on the way, then its ranks' indexes."""
+                piece: int, check: Callable[[], None]) -> None:
+    """3) This node's data files, each chunk checked on the way, then its ranks' indexes
+    (``check`` before each: it raises once the copy's lease is lost)."""
     indexes = read_indexes(local, path, m, part.ranks, required=False)
     found = read_headers(local, path, m, indexes, verify=True)
     buf = bytearray(max(m.chunk_size, piece // m.chunk_size * m.chunk_size))
     for rank in sorted(found):
         for f in found[rank]:
+            check()
             _fresh(shared, shared.join(staging, f.name))
             copy_file(local, path, shared, staging, f.name, f.file_record(), m.chunk_size, buf)
     del buf
     for _, e in sorted(rank_entries(local, path, m, part.ranks, required=False).items()):
+        check()
         _fresh(shared, shared.join(staging, e.name))
         shared.write_bytes(shared.join(staging, e.name), read_vouched(local, path, e.name, e.size, e.digest))
 
@@ -142,7 +145,11 @@ class Replicator(BackgroundCopies):
         def run() -> None:
             self._copy(name, path)
             if then is not None:
-                then(parse_step_dir(name))
+                try:
+                    then(parse_step_dir(name))
+                except Exception as e:  # noqa: BLE001 - never into training (nor into one rank's wait())
+                    self.fail(f"{self.shared.url(self.root)}: upkeep after copying {name} failed: "
+                              f"{type(e).__name__}: {e}")
         self.submit(path, run)
 
     def _copy(self, name: str, path: str) -> None:

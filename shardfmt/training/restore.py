@@ -232,7 +232,7 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         with clock("verify"):
             failing = [(r, e) for r, e in enumerate(ranks.all_gather(attempt.error)) if e]
         if failing:
-            _raise_unless_the_checkpoints_fault(url, failing, local=tier.name == "local")
+            _raise_unless_the_checkpoints_fault(url, failing)
             dirty = dirty or attempt.error is None  # loaded here in full, failed on another rank
             _give_up(tier, path, failing, ranks)
             continue
@@ -324,10 +324,10 @@ def _load(state: Mapping[str, Any], tier: Tier, path: str, *, ranks: Ranks, conf
     return _Attempt(error=None, sd=sd, fresh_optims=fresh_optims, manifest=manifest, report=report)
 
 
-def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]], *, local: bool = False) -> None:
+def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]]) -> None:
     """Raise, on every rank, when a rank's failure is not the checkpoint's fault (nothing is
-    quarantined). ``local``: a node-local copy, whose storage failures (a node's disk) fall back
-    to the next copy instead: a restart would meet the same disk."""
+    quarantined). A node's own disk failing under a node-local copy is not a storage failure
+    to retry (``io.nodepart.NodeDiskError``): a restart would meet the same disk."""
     def why() -> str:
         return "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
 
@@ -338,7 +338,7 @@ def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]
     if any(e.get("caller") for _, e in failing):
         raise StateDictError(f"restoring {url}: the state given to restore does not fit the "
                              "checkpoint (nothing was quarantined): " + why())
-    if any(e["transient"] for _, e in failing) and not local:
+    if any(e["transient"] for _, e in failing):
         raise StorageError(f"restoring {url} failed on storage access (nothing was "
                            "quarantined; retry): " + why())
 
