@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from shardfmt.io.nodepart import NodeMissError, NodePartStorage
 from shardfmt.saving.options import SaveOptions
 from shardfmt.training.nodes import NodeMap
 from shardfmt.training.options import CheckpointerOptions
-from shardfmt.training.roots import list_steps
+from shardfmt.training.roots import collect_garbage, list_steps
 from shardfmt.validation import validate
 from tests.distributed.harness import check_all_ok, launch
 
@@ -109,6 +110,19 @@ def test_a_node_that_needs_another_nodes_bytes_waits_for_the_roots_copy(tmp_path
     got = _run("tier_restore", 4, args2, tmp_path / "o2")
     assert [(r["step"], r["tier"]) for r in got] == [(2, "local")] * 4
     assert all(r["state"] == saved2[0]["state"] for r in got)
+
+
+@pytest.mark.slow
+def test_async_saves_on_the_tier_reach_the_root_and_restore(tmp_path):
+    """``save(async_=True)`` with ``local=``: each save is written to the node disks behind the
+    loop, committed there, then copied; the next save first lets it commit (its copy counts)."""
+    root, local, args, saved = _train(tmp_path, steps=(1, 2, 3), **{"async": True})
+    assert all(not r["errors"] for r in saved)
+    assert sorted(os.listdir(root)) == [STEP.format(s) for s in (1, 2, 3)]
+    assert validate(str(root / STEP.format(3)), deep=True).ok
+    got = _run("tier_restore", 4, args, tmp_path / "o1")
+    assert [(r["step"], r["tier"]) for r in got] == [(3, "local")] * 4
+    assert all(r["state"] == saved[0]["state"] for r in got)
 
 
 # ----------------------------------------------------------------------------- the replicate policy
@@ -334,3 +348,17 @@ def test_a_failing_node_disk_is_no_storage_error_to_retry(tmp_path, monkeypatch)
     monkeypatch.setattr(type(reader._reader), "readinto", eio)
     with pytest.raises(NodeDiskError):
         reader.readinto(0, [memoryview(bytearray(8))])
+
+
+def test_a_copy_a_node_never_finished_is_never_committed_and_is_collected(tmp_path):
+    """A node that dies before its marker: nobody commits; once the lease expires the collector
+    removes the staging as any dead save's (its markers are among the names a save writes)."""
+    st = LocalStorage()
+    root = str(tmp_path / "shared")
+    staging = joint.join(st, os.path.join(root, STEP.format(1)), SID)
+    st.write_bytes(os.path.join(staging, "data", "rank_00000.safetensors"), b"x" * 64)
+    joint.mark(st, staging, 0, SID)
+    assert not joint.complete(st, staging, 2, "a", SID)  # node 1 never marks
+    assert collect_garbage(st, root, lease_seconds=600.0) == []  # its lease is fresh: left alone
+    removed = collect_garbage(st, root, lease_seconds=600.0, now=time.time() + 3600)
+    assert len(removed) == 1 and not os.path.exists(staging) and os.listdir(root) == []

@@ -76,7 +76,7 @@ def tier_train(rank, world, args):
             with torch.no_grad():
                 model.a += step
             t0 = time.perf_counter()
-            ck.save(step, {"model": model})
+            ck.save(step, {"model": model}, async_=args.get("async", False))
             blocked.append(time.perf_counter() - t0)
         ck.wait()
         errors = ck.replication_errors
