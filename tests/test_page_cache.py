@@ -96,3 +96,51 @@ def test_views_of_one_storage_and_a_copy_left_by_a_crashed_replace_are_not_left_
     os.rename(path, path + ".old-deadbeef")
     rep = shardfmt.load({"a": torch.zeros(1 << 20), "b": torch.zeros(1 << 20)}, path)
     assert rep.source == path + ".old-deadbeef"
+
+
+def _saved(dropping, monkeypatch):
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "0")  # every read through the page cache
+    sd = _state()
+    path = str(dropping / "ckpt")
+    shardfmt.save(sd, path)
+    return sd, path, _data_files(path)
+
+
+def test_a_load_that_fails_still_drops_what_it_read(dropping, monkeypatch):
+    """The reads' pages are dropped when the load's reads end, failed or not."""
+    sd, path, files = _saved(dropping, monkeypatch)
+    with open(files[0], "r+b") as f:  # the last tensor's last byte: read (and failed) after the others
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert resident_fraction(files) <= EDGE
+    back = {k: torch.full_like(v, float("nan")) for k, v in sd.items()}
+    with pytest.raises(shardfmt.errors.IntegrityError):
+        shardfmt.load(back, path, workers=1, max_read=2 << 20)
+    assert any(torch.equal(back[k], sd[k]) for k in sd)  # reads before the bad chunk landed
+    assert resident_fraction(files) <= EDGE
+
+
+def test_a_load_drops_in_batches_of_a_bounded_size(dropping, monkeypatch):
+    """What a load read through the page cache waits there for at most ``DROP_BATCH`` bytes."""
+    from shardfmt.loading import executor
+
+    sd, path, files = _saved(dropping, monkeypatch)
+    most = []
+    flush = executor._Drops.flush
+
+    def watched(self):
+        most.append(resident(files[0])[0] * os.sysconf("SC_PAGE_SIZE"))
+        flush(self)
+
+    monkeypatch.setattr(executor, "DROP_BATCH", 4 << 20)
+    monkeypatch.setattr(executor._Drops, "flush", watched)
+    back = {k: torch.full_like(v, float("nan")) for k, v in sd.items()}
+    shardfmt.load(back, path, workers=1, max_read=2 << 20)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    assert len(most) >= 4 and max(most) <= (4 << 20) + executor.PREFETCH_WINDOW  # read-ahead may run ahead
+    assert resident_fraction(files) <= EDGE
