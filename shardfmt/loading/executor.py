@@ -522,9 +522,9 @@ class _Drops:
     Not one read at a time: pages a load reads in runs that alternate with another process's
     (a 2 -> 4 reshard: two ranks take alternate 16 MiB runs of one file) land in small folios,
     and dropping them while the other process is still filling the same file's cache costs
-    kernel time on both. Measured on this project's VM (benchmarks/README.md, issue 22), 4
-    ranks loading a 2-rank save of 1 GiB: dropping each read as it finished added 0.18-0.20 s
-    of system time to the job and 20-25% to its load; dropped at the end, ~0.07-0.09 s."""
+    kernel time on both. Measured on this project's VM (``benchmarks/reshard_drops.py``,
+    benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 1.053 s dropping
+    each read as it finished, 0.857 s dropping at the end, the floor 0.848 s."""
 
     def __init__(self, readers: _Readers) -> None:
         self._readers = readers
