@@ -53,6 +53,7 @@ from reshard.hf_layout import (
     OUTPUT_EMBEDDING,
     shard_name,
 )
+from reshard.options import DEFAULT_MAX_SHARD_SIZE
 from reshard.overlap import refuse_overlap
 from reshard.parse import out_dtype, parse_dtype, parse_size
 from reshard.publish import LazyFiles, check_destination, publish, remove_quietly, stage
@@ -68,7 +69,6 @@ from reshard.stream.records import Part, Piece, Strided, Window
 from reshard.stream.run import Buffers, Progress, Source, fill_window, run_windows, verify_headers
 from shardfmt.errors import MissingKeyError
 
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 OPTIMIZER_ROOTS = ("optim", "optimizer")
 _TORCH_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                 torch.float64: "float64"}

@@ -283,12 +283,12 @@ def test_a_closed_stdout_ends_quietly(tiny, argv):
 
 
 def test_ctrl_c_in_reshard_exits_130_without_a_traceback(tiny, tmp_path, monkeypatch):
-    import reshard.convert
+    import reshard.cli.commands
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reshard.cli, "convert", interrupted)  # where the CLI looks it up
+    monkeypatch.setattr(reshard.cli.commands, "convert", interrupted)  # where the CLI looks it up
     try:
         rc = reshard_main(["convert", tiny, str(tmp_path / "c"), "--mesh", "tp=2", "--no-progress"])
     except KeyboardInterrupt:

@@ -30,17 +30,12 @@ from reshard.dcp.plan import (
     plan_import,
 )
 from reshard.errors import DcpImportError
+from reshard.options import DCP_TRUST_PICKLE_HELP as TRUST_PICKLE_HELP
 from reshard.overlap import refuse_overlap
 from shardfmt.errors import CheckpointNotFoundError, EncodingError
 
 METADATA_LIMIT = 1 << 31  # largest .metadata read
 
-TRUST_PICKLE_HELP = (
-    "DCP's .metadata is a Python pickle, and loading a pickle can run code. shardfmt reads it "
-    "with a restricted unpickler that admits only DCP's metadata classes, torch.Size, torch "
-    "dtypes and plain containers (anything else is refused), and reads tensors with "
-    "torch.load(weights_only=True); still, import only checkpoints whose origin you trust, and "
-    "say so with trust_pickle=True (CLI: --trust-pickle).")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,8 +14,8 @@ import torch
 from reshard._shardfmt import MAX_WORLD, Box, dtype_code, tiling_problems
 from reshard.dcp.metadata import DcpLocation, DcpMetadata
 from reshard.errors import DcpImportError
+from reshard.options import DEFAULT_MEMORY_BUDGET
 
-DEFAULT_MEMORY_BUDGET = 1 << 30  # decoded tensor bytes held at once (one part of a rank's file)
 RANK_FILE = re.compile(r"__(0|[1-9][0-9]{0,7})_(0|[1-9][0-9]*)\.distcp")
 
 

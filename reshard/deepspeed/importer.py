@@ -23,17 +23,11 @@ from reshard.deepspeed.layout import ParamPlan, cut, numel, plan_zero3, plan_zer
 from reshard.deepspeed.ptfile import PtFile, TensorRef
 from reshard.deepspeed.records import STATE_KEYS, ModelStates, RankOptim, model_states, rank_optim
 from reshard.errors import DeepSpeedImportError
+from reshard.options import DEEPSPEED_TRUST_PICKLE_HELP as TRUST_PICKLE_HELP
+from reshard.options import DEFAULT_MODEL_PREFIX
 from reshard.overlap import refuse_overlap
 from shardfmt.errors import CheckpointNotFoundError
 
-TRUST_PICKLE_HELP = (
-    "DeepSpeed's *_model_states.pt and *_optim_states.pt files are torch.save pickles, and loading a "
-    "pickle can run code. shardfmt reads them with a restricted unpickler that admits only torch's "
-    "tensor rebuilders and storages, torch.Size, dtypes, plain containers and DeepSpeed's "
-    "ZeroStageEnum, LossScaler and fragment_address as inert stand-ins (anything else is refused); "
-    "still, import only checkpoints whose origin you trust, and say so with trust_pickle=True "
-    "(CLI: --trust-pickle).")
-DEFAULT_MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
 _OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt")

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from reshard._shardfmt import DEFAULT_WORKERS, FsspecStorage
 from reshard.errors import BudgetError
+from reshard.options import DEFAULT_BUDGET
 from reshard.parse import human
 from reshard.stream.records import ALIGN, aligned
 
-DEFAULT_BUDGET = 1 << 30
 MIN_BUDGET = 1 << 20
 BOUNCE_READ = 4 << 20  # smallest cap on a read gathered through a bounce buffer (casts, strided pieces)
 BOUNCE_SLACK = 16 << 20  # bounce buffers held outside the budget, at most

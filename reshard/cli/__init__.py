@@ -13,151 +13,31 @@ one line to stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-import orjson
-
-from reshard._shardfmt import (
+from reshard.options import (
+    DEFAULT_BUDGET,
+    DEFAULT_MAX_SHARD_SIZE,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_MODEL_PREFIX,
+)
+from shardfmt._version import __version__
+from shardfmt.cli.output import stdout_closed
+from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+from shardfmt.loading.options import (  # torch-free, unlike reshard._shardfmt
     DEFAULT_MAX_GAP,
     DEFAULT_MAX_READ,
-    Box,
-    Mesh,
-    open_checkpoint,
-    parse_storage_options,
-    plan_load,
-    targets_for_rank,
 )
-from reshard.convert import convert
-from reshard.dcp.importer import TRUST_PICKLE_HELP, import_dcp
-from reshard.dcp.plan import DEFAULT_MEMORY_BUDGET
-from reshard.deepspeed.importer import DEFAULT_MODEL_PREFIX, import_deepspeed
-from reshard.deepspeed.importer import TRUST_PICKLE_HELP as DS_TRUST_PICKLE_HELP
-from reshard.hf_export import DEFAULT_MAX_SHARD_SIZE, export_hf
-from reshard.hf_import import import_hf
-from reshard.parse import human, parse_mesh
-from reshard.stream.memory import DEFAULT_BUDGET
-from shardfmt.cli import stdout_closed
-from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
-from shardfmt.training.roots import checkpoint_at
+
+__all__ = ["build_parser", "main"]
 
 
-def cmd_plan(args) -> int:
-    mesh = parse_mesh(args.mesh)
-    if not 0 <= args.rank < mesh.world_size:
-        print(f"reshard: error: --rank {args.rank} is outside a mesh of {mesh.world_size} ranks", file=sys.stderr)
-        return 2
-    ckpt = open_checkpoint(args.src, storage_options=_opts(args))
-    targets = targets_for_rank(ckpt.manifest, mesh, args.rank)
-    plan = plan_load(ckpt.manifest, targets, verify=not args.no_verify, max_gap=args.max_gap,
-                     max_read=args.max_read)
-    by_index = {t.index: t for t in targets}
-    if args.json:
-        out = {"mesh": str(mesh), "rank": args.rank, "needed_bytes": plan.needed_bytes,
-               "bytes_to_read": plan.bytes_to_read, "reads": plan.describe(),
-               "targets": [{"index": t.index, "tensor": t.fqn, "offsets": list(t.box.offsets),
-                            "lengths": list(t.box.lengths)} for t in targets]}
-        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    print(f"rank {args.rank} of mesh {mesh} ({mesh.coords(args.rank)}): {len(targets)} slices, "
-          f"{plan.needed_bytes} bytes needed, {plan.bytes_to_read} bytes read in {len(plan.reads)} reads")
-    for r in plan.reads:
-        print(f"{r.file} [{r.byte_range.start}, {r.byte_range.end})")
-        for it in r.items:
-            t = by_index[it.target]
-            dst = Box(tuple(o + d for o, d in zip(t.box.offsets, it.dst_offsets)), it.src_lengths)
-            print(f"    bytes [{it.src_start}, {it.src_end}) -> {t.fqn} "
-                  f"{list(dst.offsets)}+{list(dst.lengths)}")
-    return 0
-
-
-def cmd_import_dcp(args) -> int:
-    if not args.trust_pickle:
-        print(f"reshard: error: import-dcp needs --trust-pickle. {TRUST_PICKLE_HELP}", file=sys.stderr)
-        return 2
-    rep = import_dcp(args.src, args.dst, trust_pickle=True, storage_options=_opts(args),
-                     memory_budget=args.memory_budget, step=args.step, overwrite=args.overwrite,
-                     skip_unsupported_values=args.skip_unsupported_values)
-    for key, why in rep.skipped:
-        print(f"reshard: warning: skipped value {key!r}: {why}", file=sys.stderr)
-    m = rep.manifest
-    shards = sum(len(t.shards) for t in m.tensors.values() if t.shards)
-    print(f"imported {args.src} -> {args.dst}: {len(m.tensors)} tensors ({shards} shards) in {len(m.files)} "
-          f"files from {m.topology.world_size} ranks, {len(m.values)} values, {rep.bytes_read} bytes read")
-    return 0
-
-
-def cmd_import_deepspeed(args) -> int:
-    if not args.trust_pickle:
-        print(f"reshard: error: import-deepspeed needs --trust-pickle. {DS_TRUST_PICKLE_HELP}", file=sys.stderr)
-        return 2
-    rep = import_deepspeed(args.src, args.dst, trust_pickle=True, tag=args.tag, model_prefix=args.model_prefix,
-                           storage_options=_opts(args), memory_budget=args.memory_budget, step=args.step,
-                           overwrite=args.overwrite, format_version=args.format_version, verify=not args.no_verify)
-    for name, why in rep.left_out:
-        print(f"reshard: note: {name} left out: {why}", file=sys.stderr)
-    m = rep.manifest
-    print(f"imported {args.src} (tag {rep.tag}, ZeRO-{rep.zero_stage}, {rep.world_size} ranks, DeepSpeed "
-          f"{rep.ds_version}) -> {args.dst}: {rep.params} trainable parameters, {len(m.tensors)} tensors, "
-          f"{len(m.values)} values, {rep.bytes_read} bytes read")
-    return 0
-
-
-def _summary(nbytes: int, seconds: float) -> str:
-    rate = f", {human(nbytes / seconds)}/s" if seconds > 0 else ""
-    return f"{human(nbytes)} in {seconds:.2f} s{rate}"
-
-
-def cmd_convert(args) -> int:
-    rep = convert(args.src, args.dst, args.mesh, rules=args.rules, memory_budget=args.memory_budget,
-                  dtype=args.dtype, verify=not args.no_verify, overwrite=args.overwrite, per_rank=args.per_rank,
-                  deep_validate=args.deep_validate, storage_options=_opts(args), progress=not args.no_progress)
-    if args.json:
-        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    for name in rep.dropped_values:
-        print(f"reshard: note: per-rank value {name!r} left out (saved by {rep.src_world} ranks, "
-              f"the new mesh has {rep.world})", file=sys.stderr)
-    for i in rep.unused_rules:
-        print(f"reshard: note: rule {i} of {args.rules} matched no tensor", file=sys.stderr)
-    read = f", read {rep.bytes_read / rep.source_bytes:.2f}x the source" if rep.source_bytes else ""
-    mesh = Mesh(rep.manifest.topology.mesh)
-    print(f"converted {args.src} -> {args.dst}: {rep.src_world} -> {rep.world} ranks ({mesh}), {rep.files} "
-          f"files, {_summary(rep.bytes_written, rep.seconds)}{read}; validated and committed")
-    return 0
-
-
-def cmd_export_hf(args) -> int:
-    rep = export_hf(args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, only=args.only,
-                    strip_prefix=args.strip_prefix, add_prefix=args.add_prefix, config=args.config,
-                    memory_budget=args.memory_budget, verify=not args.no_verify, overwrite=args.overwrite,
-                    storage_options=_opts(args), progress=not args.no_progress)
-    if args.json:
-        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    for name, why in rep.omitted:
-        print(f"reshard: note: {name} left out: {why}", file=sys.stderr)
-    if rep.excluded:
-        print(f"reshard: note: {rep.excluded} tensors outside the exported names left out "
-              f"({'not under ' + repr(args.only) if args.only else 'optimizer state'})", file=sys.stderr)
-    if not rep.config_written:
-        print("reshard: note: no config.json written (none in the checkpoint's metadata['hf_config']; "
-              "pass --config)", file=sys.stderr)
-    print(f"exported {args.src} -> {args.dst}: {rep.tensors} tensors in {len(rep.files)} file(s), "
-          f"{_summary(rep.total_size, rep.seconds)}")
-    return 0
-
-
-def cmd_import_hf(args) -> int:
-    rep = import_hf(args.src, args.dst, mesh=args.mesh, rules=args.rules, dtype=args.dtype,
-                    memory_budget=args.memory_budget, overwrite=args.overwrite, storage_options=_opts(args),
-                    progress=not args.no_progress)
-    if args.json:
-        sys.stdout.write(orjson.dumps(rep.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
-        return 0
-    tied = f"; {rep.tied_alias} also serves lm_head.weight (tied)" if rep.tied_alias else ""
-    print(f"imported {args.src} -> {args.dst}: {rep.tensors} tensors from {len(rep.source_files)} file(s) into "
-          f"{rep.manifest.topology.world_size} rank(s), {_summary(rep.bytes_written, rep.seconds)}{tied}")
-    return 0
+def _command(name: str):
+    """The command ``name`` of ``reshard.cli.commands``, imported when it runs (it needs torch)."""
+    def run(args) -> int:
+        return importlib.import_module("reshard.cli.commands").run(name, args)
+    return run
 
 
 def _int_at_least(lo: int, hi: int | None = None):
@@ -173,10 +53,6 @@ def _int_at_least(lo: int, hi: int | None = None):
         return v
 
     return parse
-
-
-def _opts(args):
-    return parse_storage_options(getattr(args, "storage_options", None))
 
 
 _BUDGET_HELP = "tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); default 1GiB"
@@ -195,6 +71,7 @@ def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard", description="Move shardfmt checkpoints between topologies.")
+    p.add_argument("--version", action="version", version=f"reshard (shardfmt) {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_plan, _add_import_dcp, _add_import_deepspeed, _add_convert, _add_export_hf, _add_import_hf):
         add(sub)
@@ -214,7 +91,7 @@ def _add_plan(sub) -> None:
     pl.add_argument("--max-read", type=_int_at_least(1), default=DEFAULT_MAX_READ, help="largest single read in bytes")
     pl.add_argument("--json", action="store_true")
     pl.add_argument("--storage-options", metavar="JSON")
-    pl.set_defaults(func=cmd_plan)
+    pl.set_defaults(func=_command("plan"))
 
 
 def _add_import_dcp(sub) -> None:
@@ -240,7 +117,7 @@ def _add_import_dcp(sub) -> None:
                          "instead of refusing the import")
     di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
-    di.set_defaults(func=cmd_import_dcp)
+    di.set_defaults(func=_command("import_dcp"))
 
 
 def _add_import_deepspeed(sub) -> None:
@@ -270,7 +147,7 @@ def _add_import_deepspeed(sub) -> None:
     ds.add_argument("--no-verify", action="store_true", help="skip checking the zip CRC-32 of every storage")
     ds.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     ds.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
-    ds.set_defaults(func=cmd_import_deepspeed)
+    ds.set_defaults(func=_command("import_deepspeed"))
 
 
 def _add_convert(sub) -> None:
@@ -289,7 +166,7 @@ def _add_convert(sub) -> None:
                     help="per-rank values (RNG states) when the world size changes: leave out (default) or refuse")
     cv.add_argument("--deep-validate", action="store_true", help="re-hash every written chunk before committing")
     _stream_args(cv, budget_help=_BUDGET_HELP, overwrite_help="replace a committed checkpoint at DST", verify=True)
-    cv.set_defaults(func=cmd_convert)
+    cv.set_defaults(func=_command("convert"))
 
 
 def _add_export_hf(sub) -> None:
@@ -310,7 +187,7 @@ def _add_export_hf(sub) -> None:
     ex.add_argument("--add-prefix", metavar="P", help="prepend P to every name")
     ex.add_argument("--config", metavar="FILE", help="config.json to write (overrides the checkpoint's)")
     _stream_args(ex, budget_help=_BUDGET_HELP, overwrite_help="replace DST if it exists", verify=True)
-    ex.set_defaults(func=cmd_export_hf)
+    ex.set_defaults(func=_command("export_hf"))
 
 
 def _add_import_hf(sub) -> None:
@@ -323,14 +200,12 @@ def _add_import_hf(sub) -> None:
     im.add_argument("--rules", metavar="FILE", help="JSON placement rules for --mesh; see README")
     im.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
     _stream_args(im, budget_help=_BUDGET_HELP, overwrite_help="replace a committed checkpoint at DST", verify=False)
-    im.set_defaults(func=cmd_import_hf)
+    im.set_defaults(func=_command("import_hf"))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "src_step", None) is not None:  # SRC is a Checkpointer root: its checkpoint of that step
-            args.src = checkpoint_at(args.src, args.src_step, _opts(args))
         rc = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe can still be handled
         return rc

@@ -1,0 +1,149 @@
+"""The ``shardfmt`` commands that read checkpoints and roots: validate, inspect, ls, gc.
+
+``shardfmt.cli`` imports this module only once one of them runs: they need torch, which
+``--help`` and ``--version`` never import.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tqdm import tqdm
+
+from shardfmt.cli.output import human, print_json, usage
+from shardfmt.errors import ShardfmtError
+from shardfmt.format import jsonvalue, refs
+from shardfmt.io.registry import get_storage, parse_storage_options
+from shardfmt.loading.reader import open_checkpoint
+from shardfmt.training.roots import checkpoint_at, collect_garbage, list_checkpoints, require_root
+from shardfmt.validation import validate
+
+
+def _storage_options(args) -> dict | None:
+    try:
+        return parse_storage_options(getattr(args, "storage_options", None))
+    except ValueError as e:
+        raise SystemExit(usage("shardfmt", str(e))) from None
+
+
+def cmd_validate(args) -> int:
+    bar = None
+    if args.deep and not args.json:  # a deep check reads every byte: show how far it is
+        bar = tqdm(desc="validate", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True,
+                   leave=False)
+    try:
+        report = validate(checkpoint_at(args.path, args.step, _storage_options(args)), deep=args.deep,
+                          storage_options=_storage_options(args),
+                          progress=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        print_json(report.to_json())
+    elif report.ok:
+        print(f"{report.path}: valid{' (deep)' if args.deep else ''}")
+    elif report.unsupported:
+        print(f"{report.path}: cannot be validated by this release: {report.problems[0].message}")
+    else:
+        print(f"{report.path}: INVALID, {len(report.problems)} problem(s)")
+        for p in report.problems:
+            print(f"  {p}")
+    return 0 if report.ok else 2 if report.unsupported else 1
+
+
+def inspect_summary(manifest) -> dict:
+    chain = refs.chain_of(manifest)
+    by_dtype: Counter = Counter()
+    for rec in list(manifest.tensors.values()) + list(manifest.storages.values()):
+        if rec.alias_of is None and rec.view is None:
+            by_dtype[rec.dtype] += rec.nbytes
+    return {
+        "save_id": manifest.save_id,
+        "step": manifest.step,
+        "created_at": manifest.created_at,
+        "format_version": manifest.format_version,
+        "writer": dict(manifest.writer),
+        "topology": manifest.topology.to_json(),
+        "tensors": len(manifest.tensors),
+        "values": len(manifest.values),
+        "bytes_per_dtype": dict(sorted(by_dtype.items())),
+        "files": {name: f.size for name, f in manifest.files.items()},
+        "total_bytes": sum(f.size for f in manifest.files.values()),
+        "own_bytes": sum(f.size for name, f in manifest.files.items() if refs.split(name)[0] is None),
+        "chain": None if chain is None else {"bases": dict(sorted(chain.bases.items())), "depth": chain.depth},
+        "save_costs": _save_costs(manifest),
+    }
+
+
+def _save_costs(manifest) -> dict | None:
+    """A Checkpointer save's record of what its run's earlier saves cost (None: none)."""
+    try:
+        meta = jsonvalue.decode(manifest.metadata, where="metadata")
+    except ShardfmtError:
+        return None
+    costs = meta.get("save_costs") if isinstance(meta, dict) else None
+    return costs if isinstance(costs, dict) and isinstance(costs.get("last"), dict) else None
+
+
+def cmd_inspect(args) -> int:
+    ckpt = open_checkpoint(checkpoint_at(args.path, args.step, _storage_options(args)),
+                           storage_options=_storage_options(args))
+    info = inspect_summary(ckpt.manifest)
+    if args.json:
+        print_json(info)
+        return 0
+    topo = info["topology"]
+    mesh = ",".join(f"{d['name']}={d['size']}" for d in topo["mesh"]) or "-"
+    print(f"checkpoint  {ckpt.path}")
+    print(f"step        {info['step']}")
+    print(f"save id     {info['save_id']}   created {info['created_at']}")
+    print("writer      " + " ".join(f"{k} {v}" for k, v in sorted(info["writer"].items())))
+    print(f"topology    world size {topo['world_size']}, mesh {mesh}")
+    print(f"tensors     {info['tensors']}   values {info['values']}")
+    print("bytes per dtype")
+    for k, v in info["bytes_per_dtype"].items():
+        print(f"  {k:<12} {human(v):>12}")
+    costs = info.get("save_costs")
+    if costs:
+        last = costs["last"]
+        print(f"save costs  this run's {costs['saves']} earlier save(s): the loop waited {costs['blocked_s']:.3f} s, "
+              f"{costs['total_s']:.3f} s to the commit (medians); the last (step {last['step']}): "
+              f"{last['blocked_s']:.3f} s / {last['total_s']:.3f} s, {human(last['bytes'])} from rank 0")
+    if info["chain"] is not None:
+        print(f"incremental depth {info['chain']['depth']}, bases {', '.join(info['chain']['bases'])}; "
+              f"{human(info['own_bytes'])} of its files are its own, the rest its bases'")
+    print(f"files       {len(info['files'])}, {human(info['total_bytes'])} in all")
+    for name, size in info["files"].items():
+        print(f"  {name:<40} {human(size):>12}")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    rows = list_checkpoints(args.root, _storage_options(args))
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        print(f"{args.root}: no checkpoints")
+        return 0
+    print(f"{'name':<36} {'step':>10} {'size':>12}  status")
+    for r in rows:
+        step = "-" if r["step"] is None else str(r["step"])
+        size = "-" if r["size"] is None else human(r["size"])
+        extra = f"  ({r['reason']})" if r["reason"] else ""
+        print(f"{r['name']:<36} {step:>10} {size:>12}  {r['status']}{extra}")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    storage, root = get_storage(args.root, _storage_options(args))
+    require_root(storage, root)
+    removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run)
+    if args.json:
+        print_json({"removed": removed, "dry_run": args.dry_run})
+    elif not removed:
+        print(f"{args.root}: nothing to collect")
+    else:
+        for u in removed:
+            print(("would remove " if args.dry_run else "removed ") + u)
+    return 0

@@ -1,0 +1,61 @@
+"""What both command-line tools print and how they end: one-line errors, JSON, sizes, a closed
+stdout. Imports nothing heavy: ``--help`` and ``--version`` never import torch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import orjson
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
+
+
+def print_json(obj) -> None:
+    option = orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS
+    try:
+        text = orjson.dumps(obj, option=option)
+    except TypeError:  # a string JSON cannot hold: a file name that is not UTF-8
+        text = orjson.dumps(_utf8(obj), option=option)
+    sys.stdout.write(text.decode() + "\n")
+
+
+def _utf8(obj):
+    """``obj`` with every string valid UTF-8: the bytes of a name that is not (which Python
+    keeps as lone surrogates) appear as ``\\xNN``."""
+    if isinstance(obj, str):
+        try:
+            return obj.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate no undecodable byte stands for
+            return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {_utf8(k): _utf8(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_utf8(v) for v in obj]
+    return obj
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (``shardfmt ls ROOT | head``): send what is left to
+    /dev/null, so that neither this nor the flush at exit prints a traceback, and return
+    ``SIGPIPE_EXIT``. Both command-line tools end this way."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to flush at exit
+        pass
+    return SIGPIPE_EXIT
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def usage(prog: str, msg: str) -> int:
+    """Print ``prog: error: msg`` (a usage error) and return its exit status, 2."""
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return 2
