@@ -282,15 +282,33 @@ def test_a_closed_stdout_ends_quietly(tiny, argv):
     assert p.wait(timeout=120) == 141 and err == ""
 
 
-def test_ctrl_c_in_reshard_exits_130_without_a_traceback(tiny, tmp_path, monkeypatch):
-    import reshard.cli.commands
+def test_ctrl_c_in_reshard_exits_130_without_a_traceback(tiny, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after every byte is written, before the commit: one line, exit 130, nothing at DST
+    and nothing staged left behind."""
+    import reshard.convert
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(reshard.cli.commands, "convert", interrupted)  # where the CLI looks it up
+    monkeypatch.setattr(reshard.convert, "_add_records", interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    dst = str(out / "c")
     try:
-        rc = reshard_main(["convert", tiny, str(tmp_path / "c"), "--mesh", "tp=2", "--no-progress"])
+        rc = reshard_main(["convert", tiny, dst, "--mesh", "tp=2", "--no-progress"])
     except KeyboardInterrupt:
         rc = "KeyboardInterrupt escaped (a traceback)"
     assert rc == 130
+    assert capsys.readouterr().err == f"reshard: interrupted; {dst} left as it was\n"
+    assert os.listdir(out) == []
+
+
+def test_ctrl_c_in_shardfmt_exits_130_with_one_line(tiny, monkeypatch, capsys):
+    import shardfmt.cli.checkpoints
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shardfmt.cli.checkpoints, "validate", interrupted)
+    assert shardfmt_main(["validate", tiny]) == 130
+    assert capsys.readouterr().err == "shardfmt: interrupted\n"

@@ -24,6 +24,7 @@ from reshard.options import (
 )
 from shardfmt._version import __version__
 from shardfmt.cli.output import stdout_closed
+from shardfmt.cli.parser import Parser
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from shardfmt.loading.options import (  # torch-free, unlike reshard._shardfmt
     DEFAULT_MAX_GAP,
@@ -70,9 +71,9 @@ def _stream_args(p: argparse.ArgumentParser, *, budget_help: str, overwrite_help
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reshard", description="Move shardfmt checkpoints between topologies.")
+    p = Parser(prog="reshard", description="Move shardfmt checkpoints between topologies.")
     p.add_argument("--version", action="version", version=f"reshard (shardfmt) {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (_add_plan, _add_import_dcp, _add_import_deepspeed, _add_convert, _add_export_hf, _add_import_hf):
         add(sub)
     return p
@@ -211,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except BrokenPipeError:
         return stdout_closed()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the tools stage their output and commit it last: nothing half-written
+        dst = getattr(args, "dst", None)
+        print(f"reshard: interrupted{'' if dst is None else f'; {dst} left as it was'}", file=sys.stderr)
         return 130
     except (CheckpointNotFoundError, StorageError) as e:
         print(f"reshard: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ import sys
 
 from shardfmt._version import __version__
 from shardfmt.cli.output import SIGPIPE_EXIT, stdout_closed, usage
+from shardfmt.cli.parser import Parser
 from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
@@ -60,9 +61,9 @@ def cmd_drill(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardfmt", description="Sharded, pickle-free PyTorch checkpoints.")
+    p = Parser(prog="shardfmt", description="Sharded, pickle-free PyTorch checkpoints.")
     p.add_argument("--version", action="version", version=f"shardfmt {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     def add_common(sp):
         sp.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        what = "; gc stopped part way: run it again to finish" if args.command == "gc" else ""
+        print(f"shardfmt: interrupted{what}", file=sys.stderr)
         return 130
 
 

@@ -1,0 +1,45 @@
+"""Usage errors in the command lines' own words (issue 21): a mistyped command or flag gets the
+usage of the command it was given to, the nearest valid spelling, and exit status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.cli import main as reshard_main
+from shardfmt.cli import main as shardfmt_main
+
+
+def _usage_error(main, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main, argv, usage, hint", [
+    (shardfmt_main, ["validate", "x", "--depp"], "usage: shardfmt validate", "(did you mean --deep?)"),
+    (shardfmt_main, ["gc", "r", "--dryrun"], "usage: shardfmt gc", "(did you mean --dry-run?)"),
+    (reshard_main, ["convert", "a", "b", "--mesh", "tp=2", "--memmory-budget", "1GiB"], "usage: reshard convert",
+     "(did you mean --memory-budget?)"),
+    (reshard_main, ["export-hf", "a", "b", "--max-shard-sise", "1GB"], "usage: reshard export-hf",
+     "(did you mean --max-shard-size?)"),
+])
+def test_a_mistyped_flag_gets_its_commands_usage_and_the_nearest_flag(capsys, main, argv, usage, hint):
+    err = _usage_error(main, argv, capsys)
+    assert err.startswith(usage) and err.rstrip().endswith(hint), err
+    assert f"unrecognized arguments: {argv[-2] if argv[-1][0] != '-' else argv[-1]}" in err
+
+
+@pytest.mark.parametrize("main, argv, hint", [
+    (shardfmt_main, ["validat", "x"], "did you mean 'validate'?"),
+    (shardfmt_main, ["inpsect", "x"], "did you mean 'inspect'?"),
+    (reshard_main, ["export_hf", "a", "b"], "did you mean 'export-hf'?"),
+])
+def test_a_mistyped_command_gets_the_nearest_command(capsys, main, argv, hint):
+    err = _usage_error(main, argv, capsys)
+    assert "invalid choice" in err and err.rstrip().endswith(hint), err
+
+
+def test_a_flag_nothing_resembles_gets_no_guess(capsys):
+    err = _usage_error(shardfmt_main, ["ls", "r", "--zzzzzz"], capsys)
+    assert err.startswith("usage: shardfmt ls") and "did you mean" not in err
