@@ -170,6 +170,26 @@ def test_single_process_save_round_trips_and_cli_reports(dcp1, tmp_path, capsys)
     assert m.tensors["model.empty"].shape == (0, 4)
 
 
+def test_cli_budget_takes_a_size_and_a_missing_source_is_a_usage_error(dcp1, tmp_path, capsys):
+    """``--memory-budget`` takes sizes as the other commands do (the same parts as the bytes
+    given to the library); a bad size and a source that is not there exit 2 in one line."""
+    budget = LOCAL_TENSORS["model.w"].nbytes
+    assert cli.main(["import-dcp", dcp1, str(tmp_path / "a"), "--trust-pickle", "--memory-budget",
+                     f"{budget / 1024}KiB"]) == 0
+    import_dcp(dcp1, str(tmp_path / "b"), trust_pickle=True, memory_budget=budget)
+    assert list(shardfmt.read_manifest(str(tmp_path / "a")).files) == list(
+        shardfmt.read_manifest(str(tmp_path / "b")).files)
+    capsys.readouterr()
+    assert cli.main(["import-dcp", dcp1, str(tmp_path / "c"), "--trust-pickle", "--memory-budget", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("reshard: error: memory budget: memory_budget: 'lots' is not a size") and err.count("\n") == 1
+    missing = str(tmp_path / "nothing-here")
+    assert cli.main(["import-dcp", missing, str(tmp_path / "d"), "--trust-pickle"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"reshard: error: no checkpoint to import: {missing}: no .metadata") and err.count("\n") == 1
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
+
 def test_memory_budget_splits_a_rank_into_parts(dcp1, tmp_path):
     dst = str(tmp_path / "parts")
     budget = LOCAL_TENSORS["model.w"].nbytes  # the largest chunk: every part holds at most this
@@ -283,7 +303,7 @@ def test_bad_step_or_a_destination_over_the_source_is_refused_before_any_work(dc
     for over in (src, str(tmp_path / "root"), os.path.join(src, "ck")):
         assert cli.main(["import-dcp", src, over, "--trust-pickle", "--overwrite"]) == 2
         err = capsys.readouterr().err
-        assert "OverlapError" in err and err.count("\n") == 1
+        assert "error: destination overlaps the source: " in err and err.count("\n") == 1
     assert sorted(os.listdir(src)) == before
 
 
@@ -357,7 +377,7 @@ def test_malicious_metadata_is_refused_without_running_it(dcp1, tmp_path, capsys
             "builtins_getattr": "builtins.getattr", "torch_load": "torch.load"}[kind]
     assert want in str(e.value)
     assert cli.main(["import-dcp", src, dst, "--trust-pickle"]) == 1
-    assert "UnsafePickleError" in capsys.readouterr().err
+    assert "error: unsafe pickle refused: " in capsys.readouterr().err
     assert not os.path.exists(marker) and _nothing_at(dst)
     if kind == "nested_mkdir":  # the payload is live: plain pickle would have run it
         pickle.loads(payload)
@@ -490,7 +510,7 @@ def test_cli_refuses_a_metadata_that_expands_with_one_line(dcp1, tmp_path, capsy
         rc = cli.main(["import-dcp", src, dst, "--trust-pickle"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith(f"reshard: DcpImportError: {os.path.join(src, '.metadata')}: expands past ")
+    assert err.startswith(f"reshard: error: cannot import the DCP checkpoint: {os.path.join(src, '.metadata')}: expands past ")
     assert _nothing_at(dst)
 
 

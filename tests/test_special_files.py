@@ -234,7 +234,7 @@ def test_reshard_tools_refuse_it_in_one_line(broken, tool, tmp_path, capsys):
         rc = reshard_main([tool[0], broken.ckpt, dst, *tool[1:], "--no-progress"])
     assert not waited
     err = capsys.readouterr().err
-    assert rc == 1 and err.count("\n") == 1 and "SpecialFileError" in err and re.search(broken.match, err), err
+    assert rc == 1 and err.count("\n") == 1 and "error: not a regular file: " in err and re.search(broken.match, err), err
     assert not glob.glob(os.path.join(dst, "**", "COMMITTED"), recursive=True)
 
 

@@ -23,7 +23,7 @@ from reshard.options import (
     DEFAULT_MODEL_PREFIX,
 )
 from shardfmt._version import __version__
-from shardfmt.cli.output import stdout_closed
+from shardfmt.cli.output import failed, stdout_closed
 from shardfmt.cli.parser import Parser
 from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from shardfmt.loading.options import (  # torch-free, unlike reshard._shardfmt
@@ -110,9 +110,9 @@ def _add_import_dcp(sub) -> None:
                     help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
     di.add_argument("--step", type=_int_at_least(0, 1 << 62),  # the manifest's range (spec section 4)
                     help="training step to record in the manifest")
-    di.add_argument("--memory-budget", type=int, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
-                    help="tensor bytes held at once; each rank's file is split into parts of at most this "
-                         "(a larger single chunk is a part of its own; default 1 GiB)")
+    di.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                    help="tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); each rank's file is split "
+                         "into parts of at most this (a larger single chunk is a part of its own; default 1GiB)")
     di.add_argument("--skip-unsupported-values", action="store_true",
                     help="skip (with a warning) non-tensor values that are not typed-JSON representable "
                          "instead of refusing the import")
@@ -143,8 +143,9 @@ def _add_import_deepspeed(sub) -> None:
                                                                       "(default: the writer's)")
     ds.add_argument("--step", type=_int_at_least(0, 1 << 62),
                     help="training step to record in the manifest (default: DeepSpeed's global_steps)")
-    ds.add_argument("--memory-budget", type=int, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
-                    help="tensor bytes held at once (a larger tensor is held alone; default 1 GiB)")
+    ds.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                    help="tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9; a larger tensor is held "
+                         "alone; default 1GiB)")
     ds.add_argument("--no-verify", action="store_true", help="skip checking the zip CRC-32 of every storage")
     ds.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     ds.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
@@ -217,19 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reshard: interrupted{'' if dst is None else f'; {dst} left as it was'}", file=sys.stderr)
         return 130
     except (CheckpointNotFoundError, StorageError) as e:
-        print(f"reshard: {e}", file=sys.stderr)
-        return 2
+        return failed("reshard", e, 2)
     except FormatVersionError as e:  # a newer release's checkpoint: not unusable, unreadable here
-        print(f"reshard: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return failed("reshard", e, 2)
     except ValueError as e:  # bad arguments: a mesh, a rules file, a budget, a size
-        kind = f"{type(e).__name__}: " if isinstance(e, ShardfmtError) else ""
-        print(f"reshard: error: {kind}{e}", file=sys.stderr)
-        return 2
+        return failed("reshard", e, 2)
     except ShardfmtError as e:
-        print(f"reshard: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-
+        return failed("reshard", e, 1)
 
 if __name__ == "__main__":
     sys.exit(main())

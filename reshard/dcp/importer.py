@@ -29,9 +29,10 @@ from reshard.dcp.plan import (
     fill,
     plan_import,
 )
-from reshard.errors import DcpImportError
+from reshard.errors import DcpImportError, SourceNotFoundError
 from reshard.options import DCP_TRUST_PICKLE_HELP as TRUST_PICKLE_HELP
 from reshard.overlap import refuse_overlap
+from reshard.parse import parse_size
 from shardfmt.errors import CheckpointNotFoundError, EncodingError
 
 METADATA_LIMIT = 1 << 31  # largest .metadata read
@@ -86,7 +87,7 @@ def import_dcp(
     *,
     trust_pickle: bool,
     storage_options: dict | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     step: int | None = None,
     metadata: Any = None,
     overwrite: bool = False,
@@ -101,11 +102,13 @@ def import_dcp(
     user metadata; by default it records the source (``{"imported_from": {"format":
     "torch.distributed.checkpoint", "version": ...}}``). ``extension_registry`` is DCP's
     ``ExtensionRegistry`` used to undo stream transforms (torch's default when None).
-    ``storage_options`` apply to both ``src`` and ``dst``.
+    ``storage_options`` apply to both ``src`` and ``dst``. ``memory_budget``: bytes, or a size
+    such as ``"1GiB"`` (``reshard.parse.parse_size``).
     """
     if trust_pickle is not True:
         raise DcpImportError(f"{src}: refusing to read DCP metadata without trust_pickle=True. {TRUST_PICKLE_HELP}")
     check_step(step)
+    memory_budget = parse_size(memory_budget, what="memory_budget")
     storage, root = get_storage(src, storage_options)
     refuse_overlap(storage, root, dst, storage_options)
     meta_path = storage.join(root, ".metadata")
@@ -139,7 +142,7 @@ def _read_metadata(storage: Storage, root: str, meta_path: str, src: str) -> Dcp
     try:
         data = storage.read_bytes(meta_path, limit=METADATA_LIMIT, within=root)
     except CheckpointNotFoundError:
-        raise DcpImportError(f"{src}: no .metadata file: not a torch.distributed.checkpoint directory, or its "
+        raise SourceNotFoundError(f"{src}: no .metadata file: not a torch.distributed.checkpoint directory, or its "
                              "save did not finish (DCP writes .metadata last)") from None
     return parse_metadata(data, where=meta_path)
 

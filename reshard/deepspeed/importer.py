@@ -22,10 +22,11 @@ from reshard.dcp.plan import DEFAULT_MEMORY_BUDGET
 from reshard.deepspeed.layout import ParamPlan, cut, numel, plan_zero3, plan_zero12
 from reshard.deepspeed.ptfile import PtFile, TensorRef
 from reshard.deepspeed.records import STATE_KEYS, ModelStates, RankOptim, model_states, rank_optim
-from reshard.errors import DeepSpeedImportError
+from reshard.errors import DeepSpeedImportError, SourceNotFoundError
 from reshard.options import DEEPSPEED_TRUST_PICKLE_HELP as TRUST_PICKLE_HELP
 from reshard.options import DEFAULT_MODEL_PREFIX
 from reshard.overlap import refuse_overlap
+from reshard.parse import parse_size
 from shardfmt.errors import CheckpointNotFoundError
 
 OPTIM_PREFIX = "optim."
@@ -77,7 +78,7 @@ def import_deepspeed(
     tag: str | None = None,
     model_prefix: str = DEFAULT_MODEL_PREFIX,
     storage_options: dict | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     step: int | None = None,
     metadata: Any = None,
     overwrite: bool = False,
@@ -98,6 +99,7 @@ def import_deepspeed(
         raise DeepSpeedImportError(f"{src}: refusing to read DeepSpeed pickles without trust_pickle=True. "
                                    f"{TRUST_PICKLE_HELP}")
     check_step(step)
+    memory_budget = parse_size(memory_budget, what="memory_budget")
     storage, root = get_storage(src, storage_options)
     refuse_overlap(storage, root, dst, storage_options)
     tag = _tag(storage, root, src) if tag is None else tag
@@ -118,7 +120,7 @@ def _tag(storage: Storage, root: str, src: str) -> str:
     try:
         raw = storage.read_bytes(storage.join(root, "latest"), limit=4096, within=root)
     except CheckpointNotFoundError:
-        raise DeepSpeedImportError(f"{storage.join(root, 'latest')}: missing: not a DeepSpeed save directory, or "
+        raise SourceNotFoundError(f"{storage.join(root, 'latest')}: missing: not a DeepSpeed save directory, or "
                                    "its save did not finish (DeepSpeed writes 'latest' last); pass a tag") from None
     try:
         return raw.decode().strip()
@@ -131,7 +133,7 @@ def _listing(storage: Storage, tag_dir: str) -> tuple[dict[int, str], dict[int |
     try:
         names = sorted(storage.listdir(tag_dir))
     except (CheckpointNotFoundError, FileNotFoundError, NotADirectoryError):
-        raise DeepSpeedImportError(f"{tag_dir}: no such tag directory") from None
+        raise SourceNotFoundError(f"{tag_dir}: no such tag directory") from None
     optim: dict[int, str] = {}
     model: dict[int | None, str] = {}
     for name in names:

@@ -15,7 +15,7 @@ import re
 import sys
 
 from shardfmt._version import __version__
-from shardfmt.cli.output import SIGPIPE_EXIT, stdout_closed, usage
+from shardfmt.cli.output import SIGPIPE_EXIT, failed, stdout_closed, usage
 from shardfmt.cli.parser import Parser
 from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
@@ -129,14 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return stdout_closed()
     except (CheckpointNotFoundError, StorageError) as e:
-        print(f"shardfmt: {e}", file=sys.stderr)
-        return 2
+        return failed("shardfmt", e, 2)
     except FormatVersionError as e:  # a newer release's checkpoint: not invalid, unreadable here
-        print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return failed("shardfmt", e, 2)
     except ShardfmtError as e:
-        print(f"shardfmt: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return failed("shardfmt", e, 1)
     except KeyboardInterrupt:
         what = "; gc stopped part way: run it again to finish" if args.command == "gc" else ""
         print(f"shardfmt: interrupted{what}", file=sys.stderr)

@@ -55,6 +55,14 @@ def human(n: int) -> str:
     return str(n)
 
 
+def failed(prog: str, error: BaseException, status: int) -> int:
+    """Print ``error`` as one line in the command line's words (its kind, never a Python class
+    name: ``reshard: error: memory budget: ...``) and return ``status``."""
+    kind = getattr(error, "kind", None)
+    print(f"{prog}: error: {kind + ': ' if kind else ''}{error}", file=sys.stderr)
+    return status
+
+
 def usage(prog: str, msg: str) -> int:
     """Print ``prog: error: msg`` (a usage error) and return its exit status, 2."""
     print(f"{prog}: error: {msg}", file=sys.stderr)
