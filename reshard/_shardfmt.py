@@ -3,8 +3,11 @@
 The tools stream slices between files, so they use more than shardfmt's top-level API: the
 format's records and safetensors header, the layout math, the byte stores, the load planner
 and executor, and the save writer. When one of these moves inside shardfmt, this file is the
-one to re-point. Errors come from ``shardfmt.errors`` (public) and ``reshard.errors``; the CLI's
-``stdout_closed`` from ``shardfmt.cli``.
+one to re-point. Errors come from ``shardfmt.errors`` (public) and ``reshard.errors``. The
+command line's parser (``reshard.cli``) imports no torch, so it takes what it shares with
+``shardfmt``'s command line from the torch-free modules directly: ``shardfmt.cli.output`` and
+``shardfmt.cli.parser``, the release (``shardfmt._version``) and the load defaults
+(``shardfmt.loading.options``).
 """
 
 from __future__ import annotations

@@ -40,17 +40,26 @@ if TYPE_CHECKING:
     from shardfmt.validation import validate
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'shardfmt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once: later lookups find it without this function
-    return value
+_SUBMODULES = frozenset({"api", "cli", "commit", "demo", "format", "io", "layout", "loading", "saving", "training",
+                         "validation"})
+
+if not TYPE_CHECKING:  # (a type checker sees the names imported above, and no catch-all)
+
+    def __getattr__(name: str):
+        if name in _SUBMODULES:  # ``shardfmt.saving.writer`` after a bare ``import shardfmt``: the whole
+            for module in set(_EXPORTS.values()):  # surface, as an eager import of it would have loaded
+                importlib.import_module(module)
+            return importlib.import_module(f"shardfmt.{name}")
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'shardfmt' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # once: later lookups find it without this function
+        return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
 
 
 __all__ = [

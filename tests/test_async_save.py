@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardfmt
+import shardfmt.io.local
 from shardfmt.commit import protocol as commit_mod
 from shardfmt.training.checkpointer import Checkpointer
 

@@ -9,6 +9,8 @@ import torch
 from conftest import flip_byte
 
 import shardfmt
+import shardfmt.saving.protocol
+import shardfmt.saving.writer
 from shardfmt.format import hashing
 from shardfmt.format.manifest import CommitRecord
 

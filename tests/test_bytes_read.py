@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import shardfmt
+import shardfmt.saving.writer
 from shardfmt import ShardedTensor
 
 CHUNK = 1 << 20

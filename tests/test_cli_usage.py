@@ -3,6 +3,9 @@ usage of the command it was given to, the nearest valid spelling, and exit statu
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from reshard.cli import main as reshard_main
@@ -43,3 +46,22 @@ def test_a_mistyped_command_gets_the_nearest_command(capsys, main, argv, hint):
 def test_a_flag_nothing_resembles_gets_no_guess(capsys):
     err = _usage_error(shardfmt_main, ["ls", "r", "--zzzzzz"], capsys)
     assert err.startswith("usage: shardfmt ls") and "did you mean" not in err
+
+
+GOLDEN_V2 = os.path.join(os.path.dirname(__file__), "..", "spec", "golden", "v2")
+
+
+def test_inspect_tensors_lists_names_shapes_dtypes_placements_and_bytes(capsys):
+    assert shardfmt_main(["inspect", GOLDEN_V2, "--tensors", "model.layers.*", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [
+        {"name": "model.layers.0.w1", "shape": [8, 4], "dtype": "F16", "bytes": 64, "placement": "dp:StridedShard(0, 2)"},
+        {"name": "model.layers.0.wo", "shape": [4, 6], "dtype": "F32", "bytes": 96, "placement": "dp:Replicate tp:Shard(1)"},
+        {"name": "model.layers.0.wq", "shape": [8, 4], "dtype": "F32", "bytes": 128,
+         "placement": "dp:StridedShard(0, 2) tp:Shard(0)"},
+    ]
+    assert shardfmt_main(["inspect", GOLDEN_V2, "--tensors"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 12 and lines[1].split()[:2] == ["model.head", "24x64"] and lines[1].endswith("alias of model.emb")
+    assert shardfmt_main(["inspect", GOLDEN_V2, "--tensors", "nothing.*"]) == 0
+    assert capsys.readouterr().out == "no tensor matches\n"

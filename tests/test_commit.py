@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shardfmt
+import shardfmt.saving.writer
 from shardfmt.commit.protocol import STEPS
 from shardfmt.io.local import LocalStorage
 from shardfmt.saving.options import SaveOptions, Seams

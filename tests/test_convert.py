@@ -13,6 +13,7 @@ from conftest import bytes_equal
 
 import reshard.convert
 import shardfmt
+import shardfmt.saving.writer
 from reshard.cli import main as reshard_main
 from reshard.convert import convert
 from reshard.errors import BudgetError

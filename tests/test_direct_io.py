@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shardfmt
+import shardfmt.saving.writer
 from shardfmt.errors import StorageError
 from shardfmt.io import aligned
 from shardfmt.io.local import LocalStorage

@@ -18,6 +18,7 @@ from deadline import deadline
 from test_bad_input import recommit
 
 import shardfmt
+import shardfmt.saving.writer
 from shardfmt.format import hashing
 from shardfmt.format.jsonscan import MAX_DEPTH, bracket_depth, load
 

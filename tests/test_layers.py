@@ -67,6 +67,13 @@ def _project(name: str) -> str | None:
     return name or None
 
 
+def _lazy_import(node: ast.AST) -> bool:
+    """``importlib.import_module("<a literal>")``: counted as the import it defers (its layer
+    and cycles are checked; it is no function-local import: it is how a module is loaded late)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+
+
 def _imports(mod: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:
     """Every project module ``mod`` imports: (module, line, inside a function)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -80,6 +87,14 @@ def _imports(mod: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:
             names = [f"{base}.{a.name}" for a in node.names] if base else []
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
+        elif _lazy_import(node):  # importlib.import_module("pkg.mod"): an import made at first use
+            names = [node.args[0].value]
+            node_inner = False
+            for n in names:
+                target = _project(n)
+                if target and target != mod:
+                    out.append((target, node.lineno, node_inner))
+            continue
         for n in names:
             target = _project(n)
             if target and target != mod:

@@ -7,6 +7,7 @@ import torch
 from conftest import flip_byte
 
 import shardfmt
+import shardfmt.saving.writer
 
 
 @pytest.mark.parametrize("workers", [1, 4])

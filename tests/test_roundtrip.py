@@ -9,6 +9,7 @@ from conftest import bytes_equal
 from safetensors import safe_open
 
 import shardfmt
+import shardfmt.saving.writer
 from shardfmt import ShardedTensor
 from shardfmt.saving.options import SaveOptions, Seams
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import shardfmt
+import shardfmt.io.store
 from shardfmt.cli import main as shardfmt_main
 from shardfmt.errors import AccessDeniedError, CheckpointExistsError, CommitError, StorageError
 from shardfmt.saving.options import SaveOptions, Seams

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="step, topology, tensors, bytes per dtype, files")
     i.add_argument("path")
     i.add_argument("--step", type=int, help="PATH is a Checkpointer root: show its checkpoint of this step")
+    i.add_argument("--tensors", nargs="?", const="*", metavar="GLOB",
+                   help="list the tensors instead (those whose names match GLOB, e.g. 'model.*.weight'): "
+                        "shape, dtype, bytes, placement over the mesh")
     add_common(i)
     i.set_defaults(func=_checkpoints("cmd_inspect"))
 

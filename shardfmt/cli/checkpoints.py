@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections import Counter
 
 from tqdm import tqdm
@@ -85,9 +86,49 @@ def _save_costs(manifest) -> dict | None:
     return costs if isinstance(costs, dict) and isinstance(costs.get("last"), dict) else None
 
 
+def _placement(rec) -> str:
+    """How a tensor record is laid out, in words: ``dp:Shard(0) tp:Replicate``, ``2 shards``..."""
+    if rec.alias_of is not None:
+        return f"alias of {rec.alias_of}"
+    if rec.view is not None:
+        return f"view of {rec.view.base}"
+    p = rec.placement
+    if p is not None and p.placements:
+        words = {"shard": "Shard", "strided_shard": "StridedShard", "replicate": "Replicate"}
+        parts = [f"{d}:{words.get(pl[0], pl[0])}" + (f"({', '.join(map(str, pl[1:]))})" if len(pl) > 1 else "")
+                 for d, pl in zip(p.mesh_dims, p.placements)]
+        return " ".join(parts) + ("" if p.stage is None else f" stage {p.stage}")
+    n = len(rec.listed) if rec.listed is not None else len(rec.shards)
+    return "whole" if n == 1 else f"{n} boxes"
+
+
+def tensor_rows(manifest, pattern: str = "*") -> list[dict]:
+    """One row per tensor whose name matches the glob ``pattern``, in name order."""
+    return [{"name": name, "shape": list(rec.shape), "dtype": rec.dtype, "placement": _placement(rec),
+             "bytes": rec.nbytes if rec.stored else 0}
+            for name, rec in sorted(manifest.tensors.items()) if fnmatch.fnmatchcase(name, pattern)]
+
+
+def _print_tensors(rows: list[dict]) -> None:
+    if not rows:
+        print("no tensor matches")
+        return
+    width = min(60, max(len(r["name"]) for r in rows))
+    for r in rows:
+        shape = "x".join(map(str, r["shape"])) or "scalar"
+        print(f"{r['name']:<{width}}  {shape:>16}  {r['dtype']:<6} {human(r['bytes']):>10}  {r['placement']}")
+
+
 def cmd_inspect(args) -> int:
     ckpt = open_checkpoint(checkpoint_at(args.path, args.step, _storage_options(args)),
                            storage_options=_storage_options(args))
+    if args.tensors is not None:
+        rows = tensor_rows(ckpt.manifest, args.tensors)
+        if args.json:
+            print_json(rows)
+        else:
+            _print_tensors(rows)
+        return 0
     info = inspect_summary(ckpt.manifest)
     if args.json:
         print_json(info)

@@ -41,7 +41,7 @@ PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to f
 SHARED_WINDOW = 256 << 20  # bytes a read group's owner reads ahead of the broadcasts
 DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``ReadTarget.sole``)
 DIRECT_MIN_SHARE = 0.9  # ... from a file this process reads at least this share of (``_read_whole``)
-DROP_BATCH = 2 << 30  # bytes read through the page cache that a load drops together (``_Drops``)
+DROP_BATCH = 512 << 20  # bytes read through the page cache that a load drops together, at most (``_Drops``)
 
 
 class _Readers:
@@ -77,6 +77,11 @@ class _Readers:
                     raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")
                 self._open[name] = r
             return r
+
+    def opened(self, name: str) -> FileReader | None:
+        """The reader of ``name`` if it is open, else None (never opens one)."""
+        with self._lock:
+            return self._open.get(name)
 
     def prefetch(self, reads: Sequence[PhysicalRead], *, gap: int = 1 << 20) -> None:
         """Hint the reads to the storage, nearby ones in a file as one range. Advisory: a file
@@ -134,6 +139,11 @@ class _ReadAhead:
             self._cum.append(self._cum[-1] + (r.byte_range.length if r is not None else 0))
         self._next = 0  # reads before this one have been asked for
         self._lock = threading.Lock()
+
+    @property
+    def asked(self) -> int:
+        """How many reads, from the first, the storage has been asked to fetch."""
+        return self._next
 
     def starting(self, k: int) -> None:
         """Read ``k`` starts: ask for every read up to ``window`` bytes from it not yet asked for."""
@@ -212,8 +222,9 @@ class Executor:
         for b in self._given:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
-        self._drops = _Drops(readers)
+        drops = self._drops = _Drops(readers)
         around: list[bool] = []
+        ahead: _ReadAhead | None = None
         try:
             whole = _read_whole(plan)
             # a reader with no ``direct`` (an object store's, a node part's file from the root's copy) reads buffered
@@ -233,16 +244,15 @@ class Executor:
                 self._run_pool(plan, readers, ahead, around, workers)
         except BaseException:
             # a failed read's bytes, and those read ahead for reads that never ran, are cached too
-            for r, a in zip(plan.reads, around):
-                if not a and all(self.targets[it.target].sole for it in r.items):
-                    self._drops.add(r)
+            asked = 0 if ahead is None else ahead.asked
+            drops.keep([r for r, a in zip(plan.reads[:asked], around) if not a and self._sole(r)])
+            drops.finish(quiet=True)  # never in place of the error
             raise
+        else:
+            drops.finish()
         finally:
-            try:
-                self._drops.flush()
-            finally:
-                self._drops = None
-                readers.close()
+            self._drops = None
+            readers.close()
 
     def run_shared(self, plan: LoadPlan, share: Share) -> None:
         """Run ``plan`` with its read group (``loading.shared``): each read's owner reads and
@@ -378,11 +388,15 @@ class Executor:
         ``release`` once all have)."""
         if self.storage.remote or not hasattr(reader, "release"):  # no page cache of this machine's
             return
-        if all(self.targets[it.target].sole for it in read.items):
+        if self._sole(read):
             self._drops.add(read)
         else:
             with self._cached_lock:
                 self.cached.append((read.file, read.byte_range.start, read.byte_range.end))
+
+    def _sole(self, read: PhysicalRead) -> bool:
+        """Whether no other process reads what ``read`` feeds."""
+        return all(self.targets[it.target].sole for it in read.items)
 
     def _tallied(self, fills: Sequence[CopyItem | None]) -> Landed | None:
         """What adds each part of a direct read to the tally as it lands, while it is in cache:
@@ -515,9 +529,10 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
 
 class _Drops:
     """The byte ranges a run read through the page cache that no other process reads, dropped
-    from it together: when the run ends (its reads done, or failed: then every such range it
-    planned, read ahead or not), or sooner once ``DROP_BATCH`` bytes wait, each file's ranges
-    merged where they touch.
+    from it together: once ``DROP_BATCH`` bytes wait, and when the run ends (its reads done, or
+    failed: then every such range it asked the storage to fetch, read or not) all of them again,
+    each file's ranges merged where they touch. (A large folio that straddles two batches is
+    dropped only by a range that covers it whole: the last pass's.)
 
     Not one read at a time: pages a load reads in runs that alternate with another process's
     (a 2 -> 4 reshard: two ranks take alternate 16 MiB runs of one file) land in small folios,
@@ -528,27 +543,46 @@ class _Drops:
 
     def __init__(self, readers: _Readers) -> None:
         self._readers = readers
-        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        self._waiting: dict[str, list[tuple[int, int]]] = {}
+        self._dropped: dict[str, list[tuple[int, int]]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
     def add(self, read: PhysicalRead) -> None:
-        with self._lock:
-            self._ranges.setdefault(read.file, []).append((read.byte_range.start, read.byte_range.end))
-            self._bytes += read.byte_range.length
-            full = self._bytes >= DROP_BATCH
-        if full:
-            self.flush()
+        """Note ``read``'s range; drop what waits once it is ``DROP_BATCH`` bytes."""
+        if self.keep([read]) >= DROP_BATCH:
+            with self._lock:
+                batch, self._waiting, self._bytes = self._waiting, {}, 0
+                for name, spans in batch.items():
+                    self._dropped.setdefault(name, []).extend(spans)
+            self._drop(batch)
 
-    def flush(self) -> None:
-        """Drop every range waiting (advisory: a file that cannot be opened is skipped)."""
+    def keep(self, reads: Sequence[PhysicalRead]) -> int:
+        """Note the reads' ranges (no drop); return the bytes waiting."""
         with self._lock:
-            ranges, self._ranges, self._bytes = self._ranges, {}, 0
-        for name, spans in ranges.items():
-            try:
-                drop = getattr(self._readers.get(name), "release", None)
-            except (ShardfmtError, OSError):
-                continue
+            for r in reads:
+                self._waiting.setdefault(r.file, []).append((r.byte_range.start, r.byte_range.end))
+                self._bytes += r.byte_range.length
+            return self._bytes
+
+    def finish(self, *, quiet: bool = False) -> None:
+        """Drop every range noted, waiting or dropped before. ``quiet``: a failure is ignored
+        (a run that failed reports its own error)."""
+        with self._lock:
+            every = {name: self._dropped.get(name, []) + self._waiting.get(name, [])
+                     for name in self._dropped.keys() | self._waiting.keys()}
+            self._waiting, self._dropped, self._bytes = {}, {}, 0
+        try:
+            self._drop(every)
+        except Exception:
+            if not quiet:
+                raise
+
+    def _drop(self, ranges: Mapping[str, list[tuple[int, int]]]) -> None:
+        """Through the files' open readers (advisory: a file this run never opened holds nothing
+        it read)."""
+        for name, spans in sorted(ranges.items()):
+            drop = getattr(self._readers.opened(name), "release", None)
             if drop is not None:
                 for start, end in _merged(spans):
                     drop(start, end - start)
