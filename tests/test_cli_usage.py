@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
+import shardfmt
 from reshard.cli import main as reshard_main
 from shardfmt.cli import main as shardfmt_main
 
@@ -65,3 +67,26 @@ def test_inspect_tensors_lists_names_shapes_dtypes_placements_and_bytes(capsys):
     assert len(lines) == 12 and lines[1].split()[:2] == ["model.head", "24x64"] and lines[1].endswith("alias of model.emb")
     assert shardfmt_main(["inspect", GOLDEN_V2, "--tensors", "nothing.*"]) == 0
     assert capsys.readouterr().out == "no tensor matches\n"
+
+
+def test_gc_names_the_saves_whose_lease_holds_and_when_it_expires(tmp_path, capsys):
+    import torch
+
+    import shardfmt.saving.writer as writer
+
+    root = tmp_path / "root"
+    shardfmt.save({"w": torch.ones(4)}, str(root / "step_000000001"), step=1)
+    w = writer.CheckpointWriter(str(root / "step_000000002"))  # a save that is still writing
+    w.write_rank(0, [writer.ShardData(fqn="w", data=torch.ones(4), global_shape=(4,), offsets=(0,))])
+    assert shardfmt_main(["gc", str(root), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["removed"] == [] and len(got["leased"]) == 1
+    assert 590 <= got["leased"][0]["expires_in_s"] <= 600  # the local lease: 600 s from its last renewal
+    assert shardfmt_main(["gc", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"left {got['leased'][0]['path']}: its save holds a lease until ") and re.search(r"\(in (9|10) min", out)
+    assert "nothing to collect" not in out
+    assert shardfmt_main(["gc", str(root), "--lease-seconds", "0"]) == 0  # now dead: removed, nothing left
+    out = capsys.readouterr().out
+    assert out.startswith("removed ") and "left " not in out
+    assert sorted(os.listdir(root)) == ["step_000000001"]

@@ -174,9 +174,11 @@ def test_cli_validate_inspect_ls_gc_on_s3_urls(server, bucket, capsys):
     assert shardfmt_main(["validate", f"{root}/step_000000002"]) == 1  # uncommitted: invalid
     capsys.readouterr()
     assert shardfmt_main(["gc", root]) == 0  # the orphan's objects are fresh: its lease holds
-    assert "nothing to collect" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"left {root}/step_000000002: its save holds a lease until ") and out.count("\n") == 1
     assert shardfmt_main(["gc", "--lease-seconds", "0", "--json", root]) == 0
-    assert __import__("orjson").loads(capsys.readouterr().out)["removed"] == [f"{root}/step_000000002"]
+    got = __import__("orjson").loads(capsys.readouterr().out)
+    assert got["removed"] == [f"{root}/step_000000002"] and got["leased"] == []
     assert fs.exists(f"{root[5:]}/step_000000001/COMMITTED") and fs.exists(f"{root[5:]}/step_000000003/notes.txt")
     assert not fs.exists(f"{root[5:]}/step_000000002/data/rank_00000.safetensors")
     assert shardfmt_main(["ls", root]) == 0 and "step_000000002" not in capsys.readouterr().out

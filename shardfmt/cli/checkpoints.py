@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import fnmatch
+import time
 from collections import Counter
 
 from tqdm import tqdm
@@ -16,7 +17,13 @@ from shardfmt.errors import ShardfmtError
 from shardfmt.format import jsonvalue, refs
 from shardfmt.io.registry import get_storage, parse_storage_options
 from shardfmt.loading.reader import open_checkpoint
-from shardfmt.training.roots import checkpoint_at, collect_garbage, list_checkpoints, require_root
+from shardfmt.training.roots import (
+    checkpoint_at,
+    collect_garbage,
+    leased_saves,
+    list_checkpoints,
+    require_root,
+)
 from shardfmt.validation import validate
 
 
@@ -179,12 +186,24 @@ def cmd_ls(args) -> int:
 def cmd_gc(args) -> int:
     storage, root = get_storage(args.root, _storage_options(args))
     require_root(storage, root)
-    removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run)
+    now = time.time()
+    removed = collect_garbage(storage, root, lease_seconds=args.lease_seconds, dry_run=args.dry_run, now=now)
+    leased = leased_saves(storage, root, lease_seconds=args.lease_seconds, now=now)
     if args.json:
-        print_json({"removed": removed, "dry_run": args.dry_run})
-    elif not removed:
+        print_json({"removed": removed, "dry_run": args.dry_run,
+                    "leased": [{"path": s.url, "expires_in_s": round(s.expires_at - now, 1)} for s in leased]})
+        return 0
+    for u in removed:
+        print(("would remove " if args.dry_run else "removed ") + u)
+    for s in leased:
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(s.expires_at))
+        print(f"left {s.url}: its save holds a lease until {when} (in {_duration(s.expires_at - now)}; "
+              "a live save renews it)")
+    if not removed and not leased:
         print(f"{args.root}: nothing to collect")
-    else:
-        for u in removed:
-            print(("would remove " if args.dry_run else "removed ") + u)
     return 0
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"

@@ -234,6 +234,40 @@ def newest_committed(storage: Storage, root: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class LeasedSave:
+    """A save's staging under a root whose lease is fresh: ``collect_garbage`` leaves it alone
+    until ``expires_at`` (seconds since the epoch), unless its writer renews the lease."""
+
+    url: str
+    expires_at: float
+
+
+def leased_saves(storage: Storage, root: str, *, lease_seconds: float | None = None,
+                 now: float | None = None) -> list[LeasedSave]:
+    """The saves under ``root`` that ``collect_garbage`` would leave alone for their fresh lease
+    (a live save, or one that died less than a lease ago), in name order."""
+    lease = storage.lease_seconds if lease_seconds is None else lease_seconds
+    now = time.time() if now is None else now
+    if not storage.exists(root):
+        return []
+    strategy = commit_strategy(storage)
+    out = []
+    for name in sorted(storage.listdir(root)):
+        if not strategy.may_be_leftover(name):
+            continue
+        path = storage.join(root, name)
+        try:
+            if strategy.leftover_state(root, name) != "leftover":
+                continue
+            since = strategy.lease_time(path)
+        except ShardfmtError:
+            continue
+        if not lease_expired(since, now, lease):
+            out.append(LeasedSave(url=storage.url(path), expires_at=since + lease))
+    return out
+
+
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
                     now: float | None = None, dry_run: bool = False) -> list[str]:
     """Remove what dead saves left under ``root``; return the URLs removed (or, dry, to remove)."""
