@@ -90,3 +90,15 @@ def test_gc_names_the_saves_whose_lease_holds_and_when_it_expires(tmp_path, caps
     out = capsys.readouterr().out
     assert out.startswith("removed ") and "left " not in out
     assert sorted(os.listdir(root)) == ["step_000000001"]
+
+
+@pytest.mark.parametrize("build", ["shardfmt.cli", "reshard.cli"])
+def test_every_argument_of_every_command_has_help(build):
+    import argparse
+    import importlib
+
+    parser = importlib.import_module(build).build_parser()
+    missing = [(name, x.dest) for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+               for name, sub in a.choices.items() for x in sub._actions
+               if not x.help and not isinstance(x, argparse._HelpAction)]
+    assert missing == []

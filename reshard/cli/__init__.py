@@ -81,17 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print which saved bytes feed one rank of a new mesh (reads no data)")
-    pl.add_argument("src")
+    pl.add_argument("src", help="the checkpoint to read (directory or URL; a Checkpointer root with --step)")
     pl.add_argument("--step", type=int, dest="src_step",
                     help="SRC is a Checkpointer root: use its checkpoint of this step")
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
-    pl.add_argument("--rank", type=int, required=True)
+    pl.add_argument("--rank", type=int, required=True, help="the rank of the new mesh to plan the reads of")
     pl.add_argument("--no-verify", action="store_true", help="plan without rounding reads to hash chunks")
     pl.add_argument("--max-gap", type=_int_at_least(0), default=DEFAULT_MAX_GAP,
                     help="coalesce reads across gaps up to N bytes (0: never)")
     pl.add_argument("--max-read", type=_int_at_least(1), default=DEFAULT_MAX_READ, help="largest single read in bytes")
-    pl.add_argument("--json", action="store_true")
-    pl.add_argument("--storage-options", metavar="JSON")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC as a JSON object")
     pl.set_defaults(func=_command("plan"))
 
 
@@ -157,10 +157,10 @@ def _add_convert(sub) -> None:
                         description="Rewrite SRC for a new topology as DST: every rank of MESH gets a data file with "
                                     "the slices it holds (replicated slices written once, balanced across ranks), "
                                     "streaming in bounded memory; the result is validated before it is committed.")
-    cv.add_argument("src")
+    cv.add_argument("src", help="the checkpoint to convert (directory or URL; a Checkpointer root with --step)")
     cv.add_argument("--step", type=int, dest="src_step",
                     help="SRC is a Checkpointer root: use its checkpoint of this step")
-    cv.add_argument("dst")
+    cv.add_argument("dst", help="the checkpoint to write (refused if it is, holds or lies inside SRC)")
     cv.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=1,dp=2,tp=4")
     cv.add_argument("--rules", metavar="FILE", help="JSON placement rules (regex on FQN -> placement); see README")
     cv.add_argument("--dtype", help="cast floating tensors, e.g. bf16, fp16, fp32")
@@ -176,10 +176,10 @@ def _add_export_hf(sub) -> None:
                         description="Export SRC as a directory transformers' from_pretrained loads: safetensors "
                                     "shards, model.safetensors.index.json when there are several, config.json from "
                                     "the checkpoint's metadata['hf_config'] or --config.")
-    ex.add_argument("src")
+    ex.add_argument("src", help="the checkpoint to export (directory or URL; a Checkpointer root with --step)")
     ex.add_argument("--step", type=int, dest="src_step",
                     help="SRC is a Checkpointer root: use its checkpoint of this step")
-    ex.add_argument("dst")
+    ex.add_argument("dst", help="the Hugging Face directory to write")
     ex.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                     help="largest file (default 5GB = 5*10^9)")
     ex.add_argument("--dtype", help="cast floating tensors, e.g. bf16")
@@ -197,7 +197,7 @@ def _add_import_hf(sub) -> None:
                         description="Import an HF safetensors model (one file or indexed) as DST: one rank, or "
                                     "each rank of --mesh with its own file (placements from --rules).")
     im.add_argument("src", help="directory with model.safetensors or model.safetensors.index.json")
-    im.add_argument("dst")
+    im.add_argument("dst", help="the shardfmt checkpoint to create")
     im.add_argument("--mesh", help="lay the tensors out on this mesh, e.g. tp=4 (default: one rank)")
     im.add_argument("--rules", metavar="FILE", help="JSON placement rules for --mesh; see README")
     im.add_argument("--dtype", help="cast floating tensors, e.g. bf16")

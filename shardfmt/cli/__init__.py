@@ -70,14 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--storage-options", metavar="JSON", help="fsspec storage options as a JSON object")
 
     v = sub.add_parser("validate", help="check a checkpoint (exit 0 valid, 1 invalid, 2 unusable)")
-    v.add_argument("path")
+    v.add_argument("path", help="a checkpoint directory or URL (s3://...), or a Checkpointer root with --step")
     v.add_argument("--step", type=int, help="PATH is a Checkpointer root: check its checkpoint of this step")
     v.add_argument("--deep", action="store_true", help="re-hash every chunk of every file")
     add_common(v)
     v.set_defaults(func=_checkpoints("cmd_validate"))
 
     i = sub.add_parser("inspect", help="step, topology, tensors, bytes per dtype, files")
-    i.add_argument("path")
+    i.add_argument("path", help="a checkpoint directory or URL (s3://...), or a Checkpointer root with --step")
     i.add_argument("--step", type=int, help="PATH is a Checkpointer root: show its checkpoint of this step")
     i.add_argument("--tensors", nargs="?", const="*", metavar="GLOB",
                    help="list the tensors instead (those whose names match GLOB, e.g. 'model.*.weight'): "
@@ -86,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_checkpoints("cmd_inspect"))
 
     ls = sub.add_parser("ls", help="list the checkpoints under ROOT with their status")
-    ls.add_argument("root")
+    ls.add_argument("root", help="a Checkpointer root: the directory or URL holding step_* checkpoints")
     add_common(ls)
     ls.set_defaults(func=_checkpoints("cmd_ls"))
 
     g = sub.add_parser("gc", help="remove what dead saves left under ROOT (never a live save's)")
-    g.add_argument("root")
+    g.add_argument("root", help="a Checkpointer root: the directory or URL holding step_* checkpoints")
     g.add_argument("--lease-seconds", type=float, default=None,
                    help="a save whose lease is older than this is dead (default: 600 local, 120 object stores)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
