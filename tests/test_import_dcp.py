@@ -190,6 +190,19 @@ def test_cli_budget_takes_a_size_and_a_missing_source_is_a_usage_error(dcp1, tmp
     assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
+def test_cli_import_dcp_json_report_and_progress(dcp1, tmp_path, capsys):
+    dst = str(tmp_path / "j")
+    assert cli.main(["import-dcp", dcp1, dst, "--trust-pickle", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    m = shardfmt.read_manifest(dst)
+    assert got["tensors"] == len(m.tensors) and got["files"] >= len(m.files) and got["world_size"] == 1
+    assert got["bytes_read"] > 0 and got["skipped"] == [] and got["dst"] == dst
+    seen = []
+    import_dcp(dcp1, str(tmp_path / "p"), trust_pickle=True, progress=seen.append)
+    stored = sum(r.nbytes for r in shardfmt.read_manifest(str(tmp_path / "p")).tensors.values() if r.stored)
+    assert seen and sum(seen) == stored  # every tensor byte told once
+
+
 def test_memory_budget_splits_a_rank_into_parts(dcp1, tmp_path):
     dst = str(tmp_path / "parts")
     budget = LOCAL_TENSORS["model.w"].nbytes  # the largest chunk: every part holds at most this

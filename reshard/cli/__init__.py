@@ -117,6 +117,8 @@ def _add_import_dcp(sub) -> None:
                     help="skip (with a warning) non-tensor values that are not typed-JSON representable "
                          "instead of refusing the import")
     di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    di.add_argument("--no-progress", action="store_true", help="no progress bar")
+    di.add_argument("--json", action="store_true", help="print the report as JSON")
     di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
     di.set_defaults(func=_command("import_dcp"))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import orjson
+from tqdm import tqdm
 
 from reshard._shardfmt import (
     Box,
@@ -66,13 +67,26 @@ def cmd_import_dcp(args) -> int:
     if not args.trust_pickle:
         print(f"reshard: error: import-dcp needs --trust-pickle. {DCP_TRUST_PICKLE_HELP}", file=sys.stderr)
         return 2
-    rep = import_dcp(args.src, args.dst, trust_pickle=True, storage_options=_opts(args),
-                     memory_budget=args.memory_budget, step=args.step, overwrite=args.overwrite,
-                     skip_unsupported_values=args.skip_unsupported_values)
+    bar = None if args.no_progress or args.json else tqdm(
+        desc="import-dcp", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True, leave=False)
+    try:
+        rep = import_dcp(args.src, args.dst, trust_pickle=True, storage_options=_opts(args),
+                         memory_budget=args.memory_budget, step=args.step, overwrite=args.overwrite,
+                         skip_unsupported_values=args.skip_unsupported_values,
+                         progress=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
     for key, why in rep.skipped:
         print(f"reshard: warning: skipped value {key!r}: {why}", file=sys.stderr)
-    m = rep.manifest
-    shards = sum(len(t.shards) for t in m.tensors.values() if t.shards)
+    m = open_checkpoint(args.dst, storage_options=_opts(args)).manifest  # (a v2 commit record lists no files)
+    shards = sum(len(t.shards or t.listed or ()) for t in m.tensors.values() if t.stored)
+    if args.json:
+        sys.stdout.write(orjson.dumps({
+            "src": args.src, "dst": args.dst, "tensors": len(m.tensors), "shards": shards, "files": len(m.files),
+            "world_size": m.topology.world_size, "values": len(m.values), "bytes_read": rep.bytes_read,
+            "skipped": [{"key": k, "why": w} for k, w in rep.skipped]}, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
     print(f"imported {args.src} -> {args.dst}: {len(m.tensors)} tensors ({shards} shards) in {len(m.files)} "
           f"files from {m.topology.world_size} ranks, {len(m.values)} values, {rep.bytes_read} bytes read")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,7 @@ def import_dcp(
     extension_registry=None,
     chunk_size: int = hashing.DEFAULT_CHUNK_SIZE,
     sync: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> ImportReport:
     """Import the DCP directory ``src`` as a committed shardfmt checkpoint at ``dst``.
 
@@ -102,7 +104,8 @@ def import_dcp(
     user metadata; by default it records the source (``{"imported_from": {"format":
     "torch.distributed.checkpoint", "version": ...}}``). ``extension_registry`` is DCP's
     ``ExtensionRegistry`` used to undo stream transforms (torch's default when None).
-    ``storage_options`` apply to both ``src`` and ``dst``. ``memory_budget``: bytes, or a size
+    ``storage_options`` apply to both ``src`` and ``dst``. ``progress`` is told the tensor bytes of
+    each part as it is written. ``memory_budget``: bytes, or a size
     such as ``"1GiB"`` (``reshard.parse.parse_size``).
     """
     if trust_pickle is not True:
@@ -128,6 +131,8 @@ def import_dcp(
                 shards = [ShardData(fqn=it.fqn, data=_chunk_tensor(reader, it), global_shape=it.global_shape,
                                     offsets=it.offsets) for it in part.items]
                 writer.write_rank(part.rank, shards, part=part.part)
+                if progress is not None:
+                    progress(sum(s.data.nbytes for s in shards))
                 del shards
             for key, value in values.items():
                 writer.add_value(key, value)
