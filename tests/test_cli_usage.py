@@ -102,3 +102,16 @@ def test_every_argument_of_every_command_has_help(build):
                for name, sub in a.choices.items() for x in sub._actions
                if not x.help and not isinstance(x, argparse._HelpAction)]
     assert missing == []
+
+
+def test_plan_takes_sizes_like_the_other_commands(tmp_path, capsys):
+    import torch
+
+    path = str(tmp_path / "c")
+    shardfmt.save({"w": torch.ones(1024, 1024)}, path)
+    plans = []
+    for read, gap in (("1MiB", "0"), ("1048576", "0"), ("1MB", "4KiB")):
+        assert reshard_main(["plan", path, "--mesh", "tp=2", "--rank", "0", "--json", "--max-read", read,
+                             "--max-gap", gap]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["reads"])
+    assert plans[0] == plans[1] and len(plans[0]) == 4 and plans[2] != plans[0]  # 4 MiB in reads of 1 MiB, or 1 MB

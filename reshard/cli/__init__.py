@@ -22,6 +22,7 @@ from reshard.options import (
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_MODEL_PREFIX,
 )
+from reshard.sizes import parse_size
 from shardfmt._version import __version__
 from shardfmt.cli.output import failed, stdout_closed
 from shardfmt.cli.parser import Parser
@@ -39,6 +40,19 @@ def _command(name: str):
     def run(args) -> int:
         return importlib.import_module("reshard.cli.commands").run(name, args)
     return run
+
+
+def _size(*, zero: bool = False):
+    """An argparse type: a size in bytes (``16MiB``, ``1048576``; ``0`` where ``zero``)."""
+    def parse(text: str) -> int:
+        if zero and text.strip() == "0":
+            return 0
+        try:
+            return parse_size(text, what="size")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
+
+    return parse
 
 
 def _int_at_least(lo: int, hi: int | None = None):
@@ -87,9 +101,10 @@ def _add_plan(sub) -> None:
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
     pl.add_argument("--rank", type=int, required=True, help="the rank of the new mesh to plan the reads of")
     pl.add_argument("--no-verify", action="store_true", help="plan without rounding reads to hash chunks")
-    pl.add_argument("--max-gap", type=_int_at_least(0), default=DEFAULT_MAX_GAP,
-                    help="coalesce reads across gaps up to N bytes (0: never)")
-    pl.add_argument("--max-read", type=_int_at_least(1), default=DEFAULT_MAX_READ, help="largest single read in bytes")
+    pl.add_argument("--max-gap", type=_size(zero=True), default=DEFAULT_MAX_GAP, metavar="SIZE",
+                    help="coalesce reads across gaps up to this (e.g. 1MiB; 0: never)")
+    pl.add_argument("--max-read", type=_size(), default=DEFAULT_MAX_READ, metavar="SIZE",
+                    help="largest single read (e.g. 16MiB)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC as a JSON object")
     pl.set_defaults(func=_command("plan"))
