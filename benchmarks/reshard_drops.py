@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import struct
+import sys
 import time
 
 import torch
@@ -33,15 +33,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import xxhash
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.harness.launch import free_port  # noqa: E402
+from benchmarks.probes import drop_cache  # noqa: E402
+
 ROWS = COLS = 4096
 PIECE, CHUNK = 8 << 20, 1 << 20
 CANDIDATES = ("floor", "shardfmt", "shardfmt@drop-each", "shardfmt@keep")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank: int, world: int, port: int):
@@ -64,20 +65,6 @@ def _setup_rank(rank: int, port: int, d: str, n: int) -> None:
     mesh = _init(rank, 2, port)
     shardfmt.save({f"w{i:02d}": distribute_tensor(_tensor(i), mesh, [Shard(0)]) for i in range(n)}, d)
     dist.destroy_process_group()
-
-
-def _files(d: str) -> list[str]:
-    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
-
-
-def _cold(d: str) -> None:
-    for f in _files(d):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _ranges(rank: int, world: int, d: str) -> list[tuple[str, int, str, int]]:
@@ -147,7 +134,7 @@ def _run_rank(rank: int, world: int, port: int, d: str, rounds: int, out: str) -
         for cand in CANDIDATES[k:] + CANDIDATES[:k]:
             for t in local.values():
                 t.fill_(float("nan"))
-            _cold(d)
+            drop_cache(d)
             time.sleep(0.3)
             dist.barrier()
             c0, t0 = os.times(), time.perf_counter()
@@ -191,9 +178,9 @@ def main() -> None:
     p.add_argument("--json", default="reshard_drops.json")
     a = p.parse_args()
     if a.command == "setup":
-        mp.spawn(_setup_rank, args=(_port(), a.dir, a.tensors), nprocs=2)
+        mp.spawn(_setup_rank, args=(free_port(), a.dir, a.tensors), nprocs=2)
     else:
-        mp.spawn(_run_rank, args=(4, _port(), a.dir, a.rounds, a.json), nprocs=4)
+        mp.spawn(_run_rank, args=(4, free_port(), a.dir, a.rounds, a.json), nprocs=4)
         print(f"4 ranks loading a 2-rank save, {a.rounds} rounds after a warm-up; median [IQR], barrier to barrier")
         _summary(a.json)
 

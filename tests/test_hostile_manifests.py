@@ -206,6 +206,7 @@ _PEAK_SCRIPT = """
 import json, sys
 import shardfmt
 from shardfmt.format import hashing
+shardfmt.load, shardfmt.read_manifest  # the library's modules loaded before any baseline (import shardfmt is lazy)
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith(("VmHWM", "VmRSS")):

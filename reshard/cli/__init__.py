@@ -24,9 +24,8 @@ from reshard.options import (
 )
 from reshard.sizes import parse_size
 from shardfmt._version import __version__
-from shardfmt.cli.output import failed, stdout_closed
+from shardfmt.cli.output import run
 from shardfmt.cli.parser import Parser
-from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 from shardfmt.loading.options import (  # torch-free, unlike reshard._shardfmt
     DEFAULT_MAX_GAP,
     DEFAULT_MAX_READ,
@@ -93,11 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _source(p: argparse.ArgumentParser, verb: str) -> None:
+    """SRC, a shardfmt checkpoint or (with --step) a Checkpointer root."""
+    p.add_argument("src", help=f"the checkpoint to {verb} (directory or URL; a Checkpointer root with --step)")
+    p.add_argument("--step", type=int, dest="src_step", help="SRC is a Checkpointer root: use its checkpoint of this step")
+
+
 def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="print which saved bytes feed one rank of a new mesh (reads no data)")
-    pl.add_argument("src", help="the checkpoint to read (directory or URL; a Checkpointer root with --step)")
-    pl.add_argument("--step", type=int, dest="src_step",
-                    help="SRC is a Checkpointer root: use its checkpoint of this step")
+    _source(pl, "read")
     pl.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=2,dp=2,tp=4")
     pl.add_argument("--rank", type=int, required=True, help="the rank of the new mesh to plan the reads of")
     pl.add_argument("--no-verify", action="store_true", help="plan without rounding reads to hash chunks")
@@ -110,6 +113,19 @@ def _add_plan(sub) -> None:
     pl.set_defaults(func=_command("plan"))
 
 
+def _import_args(p: argparse.ArgumentParser, *, src: str, pickles: str, step: str, budget: str) -> None:
+    """The arguments import-dcp and import-deepspeed share."""
+    p.add_argument("src", help=src)
+    p.add_argument("dst", help="shardfmt checkpoint to create")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help=f"required: confirm you trust SRC, whose {pickles} (read with an allowlist)")
+    p.add_argument("--step", type=_int_at_least(0, 1 << 62), help=step)  # the manifest's range (spec section 4)
+    p.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                   help=f"tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9; default 1GiB); {budget}")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
+
+
 def _add_import_dcp(sub) -> None:
     di = sub.add_parser(
         "import-dcp", help="import a torch.distributed.checkpoint directory (.metadata + .distcp) keeping its shards",
@@ -119,22 +135,15 @@ def _add_import_dcp(sub) -> None:
                     "--trust-pickle, through a restricted unpickler that refuses every global except DCP's "
                     "metadata classes, torch.Size and torch dtypes; tensor data is read with "
                     "torch.load(weights_only=True).")
-    di.add_argument("src", help="DCP checkpoint directory (holding .metadata)")
-    di.add_argument("dst", help="shardfmt checkpoint to create")
-    di.add_argument("--trust-pickle", action="store_true",
-                    help="required: confirm you trust SRC, whose .metadata is a pickle (read with an allowlist)")
-    di.add_argument("--step", type=_int_at_least(0, 1 << 62),  # the manifest's range (spec section 4)
-                    help="training step to record in the manifest")
-    di.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
-                    help="tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9); each rank's file is split "
-                         "into parts of at most this (a larger single chunk is a part of its own; default 1GiB)")
+    _import_args(di, src="DCP checkpoint directory (holding .metadata)", pickles=".metadata is a pickle",
+                 step="training step to record in the manifest",
+                 budget="each rank's file is split into parts of at most this (a larger single chunk is a part "
+                        "of its own)")
     di.add_argument("--skip-unsupported-values", action="store_true",
                     help="skip (with a warning) non-tensor values that are not typed-JSON representable "
                          "instead of refusing the import")
-    di.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
     di.add_argument("--no-progress", action="store_true", help="no progress bar")
     di.add_argument("--json", action="store_true", help="print the report as JSON")
-    di.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
     di.set_defaults(func=_command("import_dcp"))
 
 
@@ -148,24 +157,17 @@ def _add_import_deepspeed(sub) -> None:
                     "code when loaded: they are read only with --trust-pickle, through a restricted unpickler that "
                     "refuses every global except torch's tensor rebuilders, storages and dtypes and DeepSpeed's "
                     "ZeroStageEnum, LossScaler and fragment_address (as inert stand-ins).")
-    ds.add_argument("src", help="DeepSpeed save directory (holding 'latest' and the tag directory)")
-    ds.add_argument("dst", help="shardfmt checkpoint to create")
-    ds.add_argument("--trust-pickle", action="store_true",
-                    help="required: confirm you trust SRC, whose .pt files are pickles (read with an allowlist)")
+    _import_args(ds, src="DeepSpeed save directory (holding 'latest' and the tag directory)",
+                 pickles=".pt files are pickles",
+                 step="training step to record in the manifest (default: DeepSpeed's global_steps)",
+                 budget="a larger tensor is held alone")
     ds.add_argument("--tag", help="the tag directory to import (default: the content of SRC/latest)")
     ds.add_argument("--model-prefix", default=DEFAULT_MODEL_PREFIX, metavar="P",
                     help=f"prefix of parameter and buffer names (default {DEFAULT_MODEL_PREFIX!r}, as "
                          "shardfmt.get_state_dict names a model; '' for zero_to_fp32's bare names)")
     ds.add_argument("--format-version", type=int, choices=(1, 2), help="shardfmt format version to write "
                                                                       "(default: the writer's)")
-    ds.add_argument("--step", type=_int_at_least(0, 1 << 62),
-                    help="training step to record in the manifest (default: DeepSpeed's global_steps)")
-    ds.add_argument("--memory-budget", default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
-                    help="tensor bytes held at once (e.g. 1GiB, 256MiB; GB = 10^9; a larger tensor is held "
-                         "alone; default 1GiB)")
     ds.add_argument("--no-verify", action="store_true", help="skip checking the zip CRC-32 of every storage")
-    ds.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    ds.add_argument("--storage-options", metavar="JSON", help="fsspec options for SRC and DST")
     ds.set_defaults(func=_command("import_deepspeed"))
 
 
@@ -174,9 +176,7 @@ def _add_convert(sub) -> None:
                         description="Rewrite SRC for a new topology as DST: every rank of MESH gets a data file with "
                                     "the slices it holds (replicated slices written once, balanced across ranks), "
                                     "streaming in bounded memory; the result is validated before it is committed.")
-    cv.add_argument("src", help="the checkpoint to convert (directory or URL; a Checkpointer root with --step)")
-    cv.add_argument("--step", type=int, dest="src_step",
-                    help="SRC is a Checkpointer root: use its checkpoint of this step")
+    _source(cv, "convert")
     cv.add_argument("dst", help="the checkpoint to write (refused if it is, holds or lies inside SRC)")
     cv.add_argument("--mesh", required=True, help="new mesh, outermost first, e.g. pp=1,dp=2,tp=4")
     cv.add_argument("--rules", metavar="FILE", help="JSON placement rules (regex on FQN -> placement); see README")
@@ -193,9 +193,7 @@ def _add_export_hf(sub) -> None:
                         description="Export SRC as a directory transformers' from_pretrained loads: safetensors "
                                     "shards, model.safetensors.index.json when there are several, config.json from "
                                     "the checkpoint's metadata['hf_config'] or --config.")
-    ex.add_argument("src", help="the checkpoint to export (directory or URL; a Checkpointer root with --step)")
-    ex.add_argument("--step", type=int, dest="src_step",
-                    help="SRC is a Checkpointer root: use its checkpoint of this step")
+    _source(ex, "export")
     ex.add_argument("dst", help="the Hugging Face directory to write")
     ex.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
                     help="largest file (default 5GB = 5*10^9)")
@@ -224,24 +222,9 @@ def _add_import_hf(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        rc = args.func(args)
-        sys.stdout.flush()  # here, where a closed pipe can still be handled
-        return rc
-    except BrokenPipeError:
-        return stdout_closed()
-    except KeyboardInterrupt:  # the tools stage their output and commit it last: nothing half-written
-        dst = getattr(args, "dst", None)
-        print(f"reshard: interrupted{'' if dst is None else f'; {dst} left as it was'}", file=sys.stderr)
-        return 130
-    except (CheckpointNotFoundError, StorageError) as e:
-        return failed("reshard", e, 2)
-    except FormatVersionError as e:  # a newer release's checkpoint: not unusable, unreadable here
-        return failed("reshard", e, 2)
-    except ValueError as e:  # bad arguments: a mesh, a rules file, a budget, a size
-        return failed("reshard", e, 2)
-    except ShardfmtError as e:
-        return failed("reshard", e, 1)
+    dst = getattr(args, "dst", None)  # the tools stage their output and commit it last: nothing half-written
+    return run("reshard", args.func, args, interrupted="" if dst is None else f"; {dst} left as it was")
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,11 +15,10 @@ import re
 import sys
 
 from shardfmt._version import __version__
-from shardfmt.cli.output import SIGPIPE_EXIT, failed, stdout_closed, usage
+from shardfmt.cli.output import SIGPIPE_EXIT, run, stdout_closed, usage
 from shardfmt.cli.parser import Parser
 from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
-from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
 
 __all__ = ["SIGPIPE_EXIT", "build_parser", "main", "stdout_closed"]
 
@@ -125,22 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        rc = args.func(args)
-        sys.stdout.flush()  # here, where a closed pipe can still be handled
-        return rc
-    except BrokenPipeError:
-        return stdout_closed()
-    except (CheckpointNotFoundError, StorageError) as e:
-        return failed("shardfmt", e, 2)
-    except FormatVersionError as e:  # a newer release's checkpoint: not invalid, unreadable here
-        return failed("shardfmt", e, 2)
-    except ShardfmtError as e:
-        return failed("shardfmt", e, 1)
-    except KeyboardInterrupt:
-        what = "; gc stopped part way: run it again to finish" if args.command == "gc" else ""
-        print(f"shardfmt: interrupted{what}", file=sys.stderr)
-        return 130
+    again = "; gc stopped part way: run it again to finish" if args.command == "gc" else ""
+    return run("shardfmt", args.func, args, interrupted=again)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import sys
 
 import orjson
 
+from shardfmt.errors import CheckpointNotFoundError, FormatVersionError, ShardfmtError, StorageError
+
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the status a shell shows for a command its reader stopped (`... | head`)
 
 
@@ -53,6 +55,27 @@ def human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def run(prog: str, command, args, *, interrupted: str = "") -> int:
+    """Run ``command(args)`` and end as both tools do: its status; 2 for a path that is
+    unreachable or names no checkpoint, a newer format version (never judged invalid) or a bad
+    argument (a ``ValueError``); 1 for any other shardfmt error; 130 on Ctrl-C (``prog:
+    interrupted`` and ``interrupted``); 141 when stdout's reader went away. One line, never a
+    traceback."""
+    try:
+        rc = command(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return rc
+    except BrokenPipeError:
+        return stdout_closed()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted{interrupted}", file=sys.stderr)
+        return 130
+    except (CheckpointNotFoundError, StorageError, FormatVersionError, ValueError) as e:
+        return failed(prog, e, 2)
+    except ShardfmtError as e:
+        return failed(prog, e, 1)
 
 
 def failed(prog: str, error: BaseException, status: int) -> int:
