@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from reshard.errors import BudgetError
+from shardfmt.cli.output import human  # one formatter for both tools
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -28,15 +29,6 @@ def parse_size(text: int | str, *, what: str = "size") -> int:
     if n <= 0:
         raise BudgetError(f"{what}: {text!r} must be positive")
     return n
-
-
-def human(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``: a byte count for messages."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 __all__ = ["human", "parse_size"]

@@ -68,10 +68,14 @@ def _project(name: str) -> str | None:
 
 
 def _lazy_import(node: ast.AST) -> bool:
-    """``importlib.import_module("<a literal>")``: counted as the import it defers (its layer
-    and cycles are checked; it is no function-local import: it is how a module is loaded late)."""
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"
-            and len(node.args) == 1 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+    """``importlib.import_module("<a literal>")`` or ``deferred("<a literal>", ...)`` (the command
+    lines' commands): counted as the import it defers (its layer and cycles are checked; it is no
+    function-local import: it is how a module is loaded late)."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return False
+    func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    return (func in ("import_module", "deferred") and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str))
 
 
 def _imports(mod: str, path: pathlib.Path) -> list[tuple[str, int, bool]]:

@@ -13,7 +13,6 @@ one line to stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 from reshard.options import (
@@ -24,7 +23,7 @@ from reshard.options import (
 )
 from reshard.sizes import parse_size
 from shardfmt._version import __version__
-from shardfmt.cli.output import run
+from shardfmt.cli.output import deferred, run
 from shardfmt.cli.parser import Parser
 from shardfmt.loading.options import (  # torch-free, unlike reshard._shardfmt
     DEFAULT_MAX_GAP,
@@ -35,10 +34,8 @@ __all__ = ["build_parser", "main"]
 
 
 def _command(name: str):
-    """The command ``name`` of ``reshard.cli.commands``, imported when it runs (it needs torch)."""
-    def run(args) -> int:
-        return importlib.import_module("reshard.cli.commands").run(name, args)
-    return run
+    """The command ``name`` of ``reshard.cli.commands`` (it needs torch: imported when it runs)."""
+    return deferred("reshard.cli.commands", "run", name)
 
 
 def _size(*, zero: bool = False):

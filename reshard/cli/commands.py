@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 
 import orjson
-from tqdm import tqdm
 
 from reshard._shardfmt import (
     Box,
@@ -23,6 +22,7 @@ from reshard.hf_export import export_hf
 from reshard.hf_import import import_hf
 from reshard.options import DCP_TRUST_PICKLE_HELP, DEEPSPEED_TRUST_PICKLE_HELP
 from reshard.parse import human, parse_mesh
+from shardfmt.cli.output import byte_bar
 from shardfmt.training.roots import checkpoint_at
 
 
@@ -67,8 +67,7 @@ def cmd_import_dcp(args) -> int:
     if not args.trust_pickle:
         print(f"reshard: error: import-dcp needs --trust-pickle. {DCP_TRUST_PICKLE_HELP}", file=sys.stderr)
         return 2
-    bar = None if args.no_progress or args.json else tqdm(
-        desc="import-dcp", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True, leave=False)
+    bar = byte_bar("import-dcp", shown=not (args.no_progress or args.json))
     try:
         rep = import_dcp(args.src, args.dst, trust_pickle=True, storage_options=_opts(args),
                          memory_budget=args.memory_budget, step=args.step, overwrite=args.overwrite,

@@ -10,12 +10,11 @@ closed early (``| head``). Errors print one line to stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
 import sys
 
 from shardfmt._version import __version__
-from shardfmt.cli.output import SIGPIPE_EXIT, run, stdout_closed, usage
+from shardfmt.cli.output import SIGPIPE_EXIT, deferred, run, stdout_closed, usage
 from shardfmt.cli.parser import Parser
 from shardfmt.demo.drill import DEFAULT_PATTERN, run_drill
 from shardfmt.demo.run import prepare_dir, run_demo
@@ -28,10 +27,8 @@ def _usage(msg: str) -> int:
 
 
 def _checkpoints(name: str):
-    """The command ``name`` of ``shardfmt.cli.checkpoints``, imported now (it needs torch)."""
-    def run(args) -> int:
-        return getattr(importlib.import_module("shardfmt.cli.checkpoints"), name)(args)
-    return run
+    """The command ``name`` of ``shardfmt.cli.checkpoints`` (it needs torch: imported when it runs)."""
+    return deferred("shardfmt.cli.checkpoints", name)
 
 
 def cmd_demo(args) -> int:

@@ -10,9 +10,7 @@ import fnmatch
 import time
 from collections import Counter
 
-from tqdm import tqdm
-
-from shardfmt.cli.output import human, print_json, usage
+from shardfmt.cli.output import byte_bar, human, print_json, usage
 from shardfmt.errors import ShardfmtError
 from shardfmt.format import jsonvalue, refs
 from shardfmt.io.registry import get_storage, parse_storage_options
@@ -35,10 +33,7 @@ def _storage_options(args) -> dict | None:
 
 
 def cmd_validate(args) -> int:
-    bar = None
-    if args.deep and not args.json:  # a deep check reads every byte: show how far it is
-        bar = tqdm(desc="validate", unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True,
-                   leave=False)
+    bar = byte_bar("validate", shown=args.deep and not args.json)  # a deep check reads every byte
     try:
         report = validate(checkpoint_at(args.path, args.step, _storage_options(args)), deep=args.deep,
                           storage_options=_storage_options(args),

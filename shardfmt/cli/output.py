@@ -3,6 +3,7 @@ stdout. Imports nothing heavy: ``--help`` and ``--version`` never import torch."
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -49,12 +50,32 @@ def stdout_closed() -> int:
     return SIGPIPE_EXIT
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``: a byte count for messages (both tools)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n}"
+
+
+def byte_bar(desc: str, *, shown: bool = True):
+    """A progress bar of bytes for a long command (None when not ``shown``); tqdm hides it when
+    stderr is not a terminal. Give its ``update`` as the work's progress callback."""
+    if not shown:
+        return None
+    from tqdm import tqdm  # here: only a command that shows a bar pays for its import
+
+    return tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None, dynamic_ncols=True,
+                leave=False)
+
+
+def deferred(module: str, name: str, *bound):
+    """A command that imports ``module`` when it runs and calls its ``name(*bound, args)``: the
+    parser names commands that need torch without importing it."""
+    def command(args) -> int:
+        return getattr(importlib.import_module(module), name)(*bound, args)
+    return command
 
 
 def run(prog: str, command, args, *, interrupted: str = "") -> int:

@@ -543,35 +543,33 @@ class _Drops:
 
     def __init__(self, readers: _Readers) -> None:
         self._readers = readers
-        self._waiting: dict[str, list[tuple[int, int]]] = {}
-        self._dropped: dict[str, list[tuple[int, int]]] = {}
-        self._bytes = 0
+        self._all: dict[str, list[tuple[int, int]]] = {}  # every range noted
+        self._batch: dict[str, list[tuple[int, int]]] = {}  # those noted since the last drop
+        self._bytes = 0  # of the batch
         self._lock = threading.Lock()
 
     def add(self, read: PhysicalRead) -> None:
-        """Note ``read``'s range; drop what waits once it is ``DROP_BATCH`` bytes."""
+        """Note ``read``'s range; drop the batch once it is ``DROP_BATCH`` bytes."""
         if self.keep([read]) >= DROP_BATCH:
             with self._lock:
-                batch, self._waiting, self._bytes = self._waiting, {}, 0
-                for name, spans in batch.items():
-                    self._dropped.setdefault(name, []).extend(spans)
+                batch, self._batch, self._bytes = self._batch, {}, 0
             self._drop(batch)
 
     def keep(self, reads: Sequence[PhysicalRead]) -> int:
-        """Note the reads' ranges (no drop); return the bytes waiting."""
+        """Note the reads' ranges (no drop); return the batch's bytes."""
         with self._lock:
             for r in reads:
-                self._waiting.setdefault(r.file, []).append((r.byte_range.start, r.byte_range.end))
+                span = (r.byte_range.start, r.byte_range.end)
+                self._all.setdefault(r.file, []).append(span)
+                self._batch.setdefault(r.file, []).append(span)
                 self._bytes += r.byte_range.length
             return self._bytes
 
     def finish(self, *, quiet: bool = False) -> None:
-        """Drop every range noted, waiting or dropped before. ``quiet``: a failure is ignored
-        (a run that failed reports its own error)."""
+        """Drop every range noted, dropped before or not. ``quiet``: a failure is ignored (a
+        run that failed reports its own error)."""
         with self._lock:
-            every = {name: self._dropped.get(name, []) + self._waiting.get(name, [])
-                     for name in self._dropped.keys() | self._waiting.keys()}
-            self._waiting, self._dropped, self._bytes = {}, {}, 0
+            every, self._all, self._batch, self._bytes = self._all, {}, {}, 0
         try:
             self._drop(every)
         except Exception:

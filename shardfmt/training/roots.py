@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shardfmt.commit.names import is_quarantined_dir, is_rolled_back_dir, parse_step_dir
 from shardfmt.commit.protocol import commit_strategy
+from shardfmt.commit.strategy import CommitStrategy
 from shardfmt.errors import (
     CheckpointNotFoundError,
     FormatVersionError,
@@ -254,18 +255,26 @@ def leased_saves(storage: Storage, root: str, *, lease_seconds: float | None = N
     strategy = commit_strategy(storage)
     out = []
     for name in sorted(storage.listdir(root)):
-        if not strategy.may_be_leftover(name):
-            continue
-        path = storage.join(root, name)
-        try:
-            if strategy.leftover_state(root, name) != "leftover":
-                continue
-            since = strategy.lease_time(path)
-        except ShardfmtError:
-            continue
-        if not lease_expired(since, now, lease):
-            out.append(LeasedSave(url=storage.url(path), expires_at=since + lease))
+        if strategy.may_be_leftover(name):
+            state, since = _leftover(storage, strategy, root, name, lease, now)
+            if state == "keep" and since is not None:
+                out.append(LeasedSave(url=storage.url(storage.join(root, name)), expires_at=since + lease))
     return out
+
+
+def _leftover(storage: Storage, strategy: CommitStrategy, root: str, name: str, lease: float,
+              now: float) -> tuple[str, float | None]:
+    """What lies under ``root/name`` for the collector: ("committed", None), ("dead", lease
+    time) for a save whose lease expired, ("keep", lease time) for one whose lease holds, or
+    ("keep", None) for anything it cannot judge (left alone)."""
+    try:
+        state = strategy.leftover_state(root, name)
+        if state != "leftover":
+            return state, None
+        since = strategy.lease_time(storage.join(root, name))
+    except ShardfmtError:
+        return "keep", None
+    return ("dead" if lease_expired(since, now, lease) else "keep"), since
 
 
 def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None = None,
@@ -282,13 +291,7 @@ def collect_garbage(storage: Storage, root: str, *, lease_seconds: float | None 
     def state(name: str) -> str:
         """What lies under ``root/name``: "committed", "dead" (a dead save's) or "keep"."""
         if name not in states:
-            try:
-                states[name] = strategy.leftover_state(root, name)
-                if states[name] == "leftover":
-                    expired = lease_expired(strategy.lease_time(storage.join(root, name)), now, lease)
-                    states[name] = "dead" if expired else "keep"
-            except ShardfmtError:
-                states[name] = "keep"
+            states[name] = _leftover(storage, strategy, root, name, lease, now)[0]
         return states[name]
 
     for name in storage.listdir(root):
