@@ -129,9 +129,13 @@ def io_mode(mode: str, run: Callable[[Call], Any]) -> Callable[[Call], Any]:
 # ----------------------------------------------------------------------------- DCP
 
 
-def _dcp_writer(c: Call):
+def _dcp_writer(c: Call, backend: bool = False):
     import torch.distributed.checkpoint as dcp
 
+    if backend:  # shardfmt's DCP storage backend (shardfmt.dcp)
+        from shardfmt.dcp import Writer
+
+        return Writer(c.path, sync=c.env.fsync)
     if c.path.startswith("s3://"):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -139,10 +143,10 @@ def _dcp_writer(c: Call):
     return dcp.FileSystemWriter(c.path, sync_files=c.env.fsync)
 
 
-def dcp_save(c: Call) -> None:
+def dcp_save(c: Call, backend: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(c.built.state, storage_writer=_dcp_writer(c), no_dist=not c.env.distributed)
+    dcp.save(c.built.state, storage_writer=_dcp_writer(c, backend), no_dist=not c.env.distributed)
 
 
 def dcp_async(c: Call, background: bool = False) -> dict:
@@ -168,10 +172,14 @@ def dcp_async(c: Call, background: bool = False) -> dict:
     return {"blocked": blocked, "staged": staged}
 
 
-def dcp_load(c: Call) -> None:
+def dcp_load(c: Call, backend: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
 
-    if c.src.startswith("s3://"):
+    if backend:
+        from shardfmt.dcp import Reader
+
+        reader = Reader(c.src)
+    elif c.src.startswith("s3://"):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         reader = FsspecReader(c.src)
@@ -328,6 +336,7 @@ def _all() -> list[Candidate]:
         Candidate(name="shardfmt.async_save.bg", kind=S, run=lambda c: sf_async(c, "background"), makes_dir=False,
                   check_with="shardfmt.load"),
         Candidate(name="dcp.save", kind=S, run=dcp_save),
+        Candidate(name="dcp+shardfmt.save", kind=S, run=functools.partial(dcp_save, backend=True), makes_dir=False),
         Candidate(name="dcp.save@s3", kind=S, run=dcp_save, makes_dir=False, storage="s3"),
         Candidate(name="dcp.async_save", kind=S, run=dcp_async, check_with="dcp.load"),
         Candidate(name="dcp.async_save.bg", kind=S, run=lambda c: dcp_async(c, True), check_with="dcp.load"),
@@ -351,6 +360,8 @@ def _all() -> list[Candidate]:
         Candidate(name="shardfmt.load@s3/alone", kind=L, run=functools.partial(sf_load, share_reads=False),
                   reads="shardfmt.save@s3", storage="s3"),
         Candidate(name="dcp.load", kind=L, run=dcp_load, reads="dcp.save"),
+        Candidate(name="dcp+shardfmt.load", kind=L, run=functools.partial(dcp_load, backend=True),
+                  reads="dcp+shardfmt.save"),
         Candidate(name="dcp.load@s3", kind=L, run=dcp_load, reads="dcp.save@s3", storage="s3"),
         Candidate(name="torch.load", kind=L, run=torch_load, reads="torch.save", layouts=same, same_world=True),
         Candidate(name="safetensors.load", kind=L, run=st_load, reads="safetensors.save", layouts=same,

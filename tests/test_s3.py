@@ -750,3 +750,25 @@ def test_a_rollback_on_s3_marks_the_later_checkpoints_and_a_new_save_replaces_on
     again = torch.nn.Linear(16, 16)
     assert shardfmt.Checkpointer(root).restore({"model": again}) == 2
     assert torch.equal(again.weight, torch.full((16, 16), 20.0))
+
+
+def test_dcp_save_and_load_through_the_backend_on_s3(server, bucket):
+    """``dcp.save``/``dcp.load`` with ``shardfmt.dcp``'s Writer and Reader on an S3 URL: a
+    committed checkpoint on the server (COMMITTED last, no lease left), read back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardfmt.dcp import Reader, Writer
+
+    url = f"{bucket}/dcp/step_1"
+    state = _state()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(state, storage_writer=Writer(url, step=1))
+        back = _empty_like(state)
+        back.update(step=0, note="")
+        dcp.load(back, storage_reader=Reader(url))
+    assert all(bytes_equal(back["model"][k], state["model"][k]) for k in state["model"])
+    assert back["step"] == 7 and back["note"] == "hello"
+    assert shardfmt.validate(url, deep=True).ok
+    fs = _fs(server)
+    assert fs.exists(url + "/COMMITTED") and not fs.exists(url + "/LEASE")

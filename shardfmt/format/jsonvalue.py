@@ -46,8 +46,25 @@ def is_pickle(data: bytes | bytearray) -> bool:
     return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5 and data[-1:] == b"."
 
 
-def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
-    """Return the typed-JSON form of ``value``; raise EncodingError naming ``where``."""
+def holds_pickle(value: Any, _depth: int = 0) -> bool:
+    """Whether ``value`` holds, at any depth within ``MAX_DEPTH``, bytes that look pickled."""
+    if isinstance(value, (bytes, bytearray)):
+        return is_pickle(value)
+    if _depth > MAX_DEPTH:
+        return False
+    if isinstance(value, dict):
+        return any(holds_pickle(v, _depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_pickle(v, _depth + 1) for v in value)
+    return False
+
+
+def encode(value: Any, *, where: str = "value", pickled: bool = False, _depth: int = 0) -> Any:
+    """Return the typed-JSON form of ``value``; raise EncodingError naming ``where``.
+
+    ``pickled``: keep bytes that look pickled (``is_pickle``) as bytes rather than refuse them:
+    the caller's explicit choice (the DCP writer's ``allow_pickled_bytes``); they are stored,
+    never unpickled by shardfmt."""
     if _depth > MAX_DEPTH:
         raise EncodingError(f"{where}: nested more than {MAX_DEPTH} levels deep")
     d = _depth + 2
@@ -69,21 +86,21 @@ def encode(value: Any, *, where: str = "value", _depth: int = 0) -> Any:
             return float(value)
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, list):
-        return [encode(v, where=f"{where}[{i}]", _depth=d - 1) for i, v in enumerate(value)]
+        return [encode(v, where=f"{where}[{i}]", pickled=pickled, _depth=d - 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [encode(v, where=f"{where}[{i}]", _depth=d) for i, v in enumerate(value)]}
+        return {"$tuple": [encode(v, where=f"{where}[{i}]", pickled=pickled, _depth=d) for i, v in enumerate(value)]}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: encode(v, where=f"{where}.{k}", _depth=d - 1) for k, v in value.items()}
+            return {k: encode(v, where=f"{where}.{k}", pickled=pickled, _depth=d - 1) for k, v in value.items()}
         return {
             "$dict": [
-                [encode(k, where=f"{where} (key {k!r})", _depth=d + 1),
-                 encode(v, where=f"{where}[{k!r}]", _depth=d + 1)]
+                [encode(k, where=f"{where} (key {k!r})", pickled=pickled, _depth=d + 1),
+                 encode(v, where=f"{where}[{k!r}]", pickled=pickled, _depth=d + 1)]
                 for k, v in value.items()
             ]
         }
     if isinstance(value, (bytes, bytearray)):
-        if is_pickle(value):
+        if is_pickle(value) and not pickled:
             raise EncodingError(f"{where}: holds pickled bytes (pickle protocol {value[1]}); shardfmt never "
                                 "writes a pickle, which would run code when read back: return the state as "
                                 "tensors and plain values (dicts, lists, numbers, strings) instead")

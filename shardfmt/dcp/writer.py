@@ -1,0 +1,305 @@
+"""``Writer``: DCP's ``StorageWriter`` that writes a committed shardfmt checkpoint (format 2).
+
+DCP's planners decide who writes what (its save planner deduplicates replicated items); this
+writer decides how it lands, in DCP's call order::
+
+    1) every rank     set_up_storage_writer, prepare_local_plan (the plan as DCP made it)
+    2) coordinator    prepare_global_plan: picks the hash chunk, stages the checkpoint
+                      (``CheckpointWriter.stage``) and tells each rank its number and where to write
+    3) every rank     write_data: its tensors into one shard file (hashed as written) and its
+                      rank index; each non-tensor value as typed JSON, never pickle: the object
+                      is taken from the planner (``lookup_object``), or decoded with
+                      ``torch.load(weights_only=True)`` from the bytes the planner just made
+    4) coordinator    finish: every tensor listed with its boxes and their writers, the values
+                      regrouped by shardfmt's names (``dcp.names``), the manifest, COMMITTED
+
+Bytes that look pickled (``pickle.dumps`` output inside a value, as torchtitan's dataloader
+state holds) are refused naming the key, unless ``allow_pickled_bytes=True`` (then stored as
+bytes, with a warning). A save that fails before step 4 leaves only a staging directory, which
+no reader takes for a checkpoint (``shardfmt gc`` collects it; the writer's next save aborts it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from shardfmt.dcp.names import Path, regroup
+from shardfmt.errors import EncodingError, StateDictError
+from shardfmt.format import jsonvalue
+from shardfmt.format.dtypes import dtype_code
+from shardfmt.format.index import RankEntry
+from shardfmt.format.manifest import ListedShard, Manifest, Topology, ValueRecord, rank_file_name
+from shardfmt.io.registry import get_storage
+from shardfmt.layout.topology import Mesh, TopologyError
+from shardfmt.saving.options import SaveOptions
+from shardfmt.saving.plan import auto_chunk_size
+from shardfmt.saving.rank_index import write_rank_index
+from shardfmt.saving.shard_file import (
+    ShardData,
+    default_write_workers,
+    file_order,
+    write_shard_file,
+)
+from shardfmt.saving.writer import CheckpointWriter
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Assignment:
+    """What the coordinator tells one rank (a ``SavePlan``'s ``storage_data``)."""
+
+    rank: int
+    staging: str
+    save_id: str
+    name_tag: str | None
+    chunk_size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Stored:
+    """A tensor item's result: the rank that wrote it, its index and its data file."""
+
+    rank: int
+    entry: RankEntry
+    file: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Value:
+    """A value item's result: the value as typed JSON (decoded again by the coordinator)."""
+
+    encoded: Any
+
+
+class Writer(StorageWriter):
+    """Write ``dcp.save(state, storage_writer=Writer(path))`` as a shardfmt checkpoint at
+    ``path`` (a directory or fsspec URL; ``checkpoint_id=`` replaces it).
+
+    ``step`` and ``metadata`` go into the manifest as ``shardfmt.save``'s do; ``mesh`` names the
+    job's layout (its sizes multiply to the world size). The other knobs are ``SaveOptions``'
+    (``overwrite``: replace a committed checkpoint there, atomically; ``storage_options``:
+    fsspec's, e.g. S3 credentials). ``allow_pickled_bytes``: store values holding pickled bytes
+    instead of refusing them (whoever later unpickles them runs code from the checkpoint).
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, step: int | None = None, metadata: Any = None,
+                 mesh: Mapping[str, int] | None = None, allow_pickled_bytes: bool = False,
+                 overwrite: bool | None = None, storage_options: dict | None = None, chunk_size: int | None = None,
+                 sync: bool | None = None, write_workers: int | None = None, part_size: int | None = None,
+                 options: SaveOptions | None = None) -> None:
+        super().__init__()
+        self.options = SaveOptions.merged(options, overwrite=overwrite, storage_options=storage_options,
+                                          chunk_size=chunk_size, sync=sync, write_workers=write_workers,
+                                          part_size=part_size)
+        if self.options.format_version != 2 or self.options.base is not None or self.options.node_part is not None:
+            raise StateDictError("the DCP writer writes full format-2 checkpoints: leave format_version, base "
+                                 "and node_part to shardfmt.save and the Checkpointer")
+        self.path = None if path is None else os.fspath(path)
+        self.step = step
+        self.metadata = metadata
+        self.mesh = None if mesh is None else _mesh(mesh)
+        self.allow_pickled_bytes = allow_pickled_bytes
+        self.manifest: Manifest | None = None  # the coordinator's, once a save committed
+        self._writer: CheckpointWriter | None = None
+        self._rank: int | None = None
+
+    # -- DCP's calls, in order
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._abandon()
+        self.manifest = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._rank = kwargs.get("rank")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator: pick the hash chunk from every stored box, stage, assign the ranks."""
+        self._abandon()
+        storage, where = get_storage(self._where(), self.options.storage_options)
+        chunk = self.options.chunk_size or auto_chunk_size(
+            (_nbytes(it) for p in plans for it in p.items if it.type != WriteItemType.BYTE_IO), format_version=2)
+        writer = CheckpointWriter(where, storage=storage, options=dataclasses.replace(self.options, chunk_size=chunk))
+        writer.stage()
+        self._writer = writer
+        return [dataclasses.replace(p, storage_data=_Assignment(rank=i, staging=writer.staging, save_id=writer.save_id,
+                                                                 name_tag=writer.name_tag, chunk_size=chunk))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: its tensors into one shard file and its index; its values as typed JSON."""
+        job: _Assignment = plan.storage_data
+        values = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
+        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        results = [WriteResult(index=it.index, size_in_bytes=0, storage_data=_Value(encoded=self._encode(it, planner)))
+                   for it in values]
+        if tensors:
+            storage, _ = get_storage(self._where(), self.options.storage_options)
+            shards = [_shard(it, planner) for it in tensors]
+            name = rank_file_name(job.rank, None, job.name_tag)
+            written = write_shard_file(storage, job.staging, name, job.rank, file_order(shards),
+                                       chunk_size=job.chunk_size, sync=self.options.sync,
+                                       workers=self.options.write_workers or default_write_workers(),
+                                       part_size=self.options.part_size, aligned=True)
+            entry = write_rank_index(storage, job.staging, rank=job.rank, save_id=job.save_id,
+                                     name_tag=job.name_tag, files={name: written.record}, values={})
+            stored = _Stored(rank=job.rank, entry=entry, file=name)
+            results += [WriteResult(index=it.index, size_in_bytes=_nbytes(it), storage_data=stored) for it in tensors]
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator: record what every rank wrote, regroup the values, commit."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            raise StateDictError(f"{self.path}: finish() without prepare_global_plan(): DCP's save calls both")
+        try:
+            self.manifest = writer.commit(**self._commit_args(writer, metadata, results))
+        except BaseException:
+            writer.abort()
+            raise
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # -- the parts
+    def _where(self) -> str:
+        if self.path is None:
+            raise StateDictError("the DCP writer has no path: give Writer(path) or dcp.save(checkpoint_id=...)")
+        return self.path
+
+    def _abandon(self) -> None:
+        """Discard a save this writer staged and never finished (its write step failed)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.abort()
+
+    def _encode(self, item: WriteItem, planner: SavePlanner) -> Any:
+        fqn = item.index.fqn
+        value = _value_of(item, planner)
+        pickled = jsonvalue.holds_pickle(value)
+        if pickled and not self.allow_pickled_bytes:
+            raise EncodingError(f"{fqn}: holds pickled bytes; shardfmt never stores a pickle, which would run code "
+                                "when loaded: save the state as tensors and plain values, or give "
+                                "Writer(allow_pickled_bytes=True) to store them as bytes, at your risk")
+        encoded = jsonvalue.encode(value, where=fqn, pickled=self.allow_pickled_bytes)
+        if pickled:
+            warnings.warn(f"shardfmt: {fqn} holds pickled bytes, stored as bytes (allow_pickled_bytes=True): whoever "
+                          "unpickles them after a load runs code from the checkpoint", stacklevel=2)
+        return encoded
+
+    def _commit_args(self, writer: CheckpointWriter, metadata: Metadata,
+                     results: list[list[WriteResult]]) -> dict[str, Any]:
+        listed: dict[str, list[ListedShard]] = {}
+        values: dict[str, Any] = {}
+        ranks: dict[int, _Stored] = {}
+        for rank_results in results:
+            for r in rank_results:
+                fqn, data = r.index.fqn, r.storage_data
+                if isinstance(data, _Value):
+                    values[fqn] = jsonvalue.decode(data.encoded, where=fqn)
+                    continue
+                ranks[data.rank] = data
+                md = metadata.state_dict_metadata[fqn]
+                chunk = _chunk_at(md, r.index)
+                listed.setdefault(fqn, []).append(ListedShard(offsets=tuple(chunk.offsets), lengths=tuple(chunk.sizes),
+                                                              rank=data.rank))
+        paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+
+        def path_of(fqn: str) -> Path:
+            return tuple(paths.get(fqn, (fqn,)))
+
+        tensors = {f: md for f, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        for fqn, md in sorted(tensors.items()):
+            writer.add_listed(fqn, dtype_code(md.properties.dtype, what=fqn), tuple(md.size), None,
+                              listed.get(fqn, []))
+        for rank, s in sorted(ranks.items()):
+            writer.add_rank_entry(rank, s.entry, files=(s.file,))
+        for fqn, value in regroup([path_of(f) for f in tensors], {path_of(f): v for f, v in values.items()}).items():
+            writer.add_encoded_value(fqn, ValueRecord(value=jsonvalue.encode(value, where=fqn,
+                                                                              pickled=self.allow_pickled_bytes)))
+        world = len(results)
+        topology = Topology(world_size=world, mesh=self.mesh or (("world", world),))
+        if self.mesh is not None and _size(self.mesh) != world:
+            raise StateDictError(f"mesh {dict(self.mesh)} does not multiply to the world size {world}")
+        return {"step": self.step, "metadata": self.metadata, "topology": topology}
+
+
+def _mesh(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    try:
+        return Mesh.parse(mesh).dims
+    except TopologyError as e:
+        raise StateDictError(f"mesh=: {e}") from None
+
+
+def _size(mesh: tuple[tuple[str, int], ...]) -> int:
+    n = 1
+    for _, s in mesh:
+        n *= s
+    return n
+
+
+def _nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    n = 1
+    for s in td.chunk.sizes:
+        n *= s
+    return n * td.properties.dtype.itemsize
+
+
+def _chunk_at(md: TensorStorageMetadata, index: MetadataIndex):
+    """The stored chunk of ``md`` at ``index.offset`` (``index.index`` is DCP's hint of where)."""
+    hint = index.index
+    if hint is not None and 0 <= hint < len(md.chunks) and tuple(md.chunks[hint].offsets) == tuple(index.offset):
+        return md.chunks[hint]
+    for c in md.chunks:
+        if tuple(c.offsets) == tuple(index.offset):
+            return c
+    raise StateDictError(f"{index.fqn}: DCP's metadata has no chunk at {list(index.offset)}")
+
+
+def _shard(item: WriteItem, planner: SavePlanner) -> ShardData:
+    """The tensor an item writes, on the CPU, as the box of the global tensor it is."""
+    fqn, td = item.index.fqn, item.tensor_data
+    data = planner.resolve_data(item)
+    if not isinstance(data, torch.Tensor):
+        raise StateDictError(f"{fqn}: DCP's planner resolved a tensor item to a {type(data).__name__}")
+    data = data.detach()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if tuple(data.shape) != tuple(td.chunk.sizes):
+        raise StateDictError(f"{fqn}: DCP's planner resolved a tensor of shape {list(data.shape)} for a chunk of "
+                             f"{list(td.chunk.sizes)}")
+    return ShardData(fqn=fqn, data=data, global_shape=tuple(td.size), offsets=tuple(td.chunk.offsets))
+
+
+def _value_of(item: WriteItem, planner: SavePlanner) -> Any:
+    """The object a value item stands for: from the planner, or decoded from the bytes it
+    serialized in this process just now, by torch's restricted loader (never full pickle)."""
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        return lookup(item.index)
+    data = planner.resolve_data(item)
+    if isinstance(data, io.BytesIO):
+        data.seek(0)
+        try:
+            return torch.load(data, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch's restricted loader refuses with many types
+            raise EncodingError(f"{item.index.fqn}: the value cannot be stored as typed JSON ({e})") from None
+    return data
+
