@@ -26,7 +26,7 @@ import shardfmt.saving.options
 import shardfmt.validation
 from shardfmt.dcp import Reader, Writer
 from shardfmt.dcp.names import dcp_leaves, leaf_at, regroup
-from shardfmt.errors import StateDictError
+from shardfmt.errors import CheckpointNotFoundError, StateDictError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -277,3 +277,20 @@ def test_bytes_handed_to_dcp_round_trip_exactly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.load(buf, weights_only=True) == value
+
+
+def test_a_failed_save_commits_nothing_and_the_writers_next_save_clears_what_it_staged(tmp_path):
+    writer = Writer(str(tmp_path / "ck"))
+    with pytest.raises(BaseException, match="extra: cannot store a value of type"):
+        dcp.save({"w": torch.ones(2), "extra": _Opaque()}, storage_writer=writer)
+    (staged,) = os.listdir(tmp_path)
+    assert staged.startswith("ck.tmp-")  # a staging directory: no reader takes it for a checkpoint
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint there"):
+        shardfmt.read_manifest(str(tmp_path / "ck"))
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer)
+    assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_a_tuple_holding_tensors_is_one_dcp_leaf_and_is_refused_naming_it(tmp_path):
+    with pytest.raises(BaseException, match=r"pair\[0\]: cannot store a value of type torch.Tensor"):
+        dcp.save({"w": torch.ones(2), "pair": (torch.ones(1), 2)}, storage_writer=Writer(str(tmp_path / "ck")))

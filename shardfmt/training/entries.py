@@ -13,7 +13,6 @@ given up on the way leaves optimizers, schedulers, samplers and RNG as they were
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +25,7 @@ from shardfmt.layout.state import IfSaved, PerRank
 from shardfmt.training import rng
 from shardfmt.training.compat import config_hash
 from shardfmt.training.grads import GRADS_KEY, apply_grads, grad_slots, holds_grads, set_grads
-from shardfmt.training.ranks import Ranks
+from shardfmt.training.ranks import Ranks, job_warning
 from shardfmt.training.train_state import optimizer_state_dict, set_optimizer_state
 
 RNG_KEY = "_shardfmt_rng"
@@ -175,14 +174,14 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
     if grads:
         apply_grads(state, sd.get(GRADS_KEY, {}))
     elif holds_grads(report.unexpected):
-        warnings.warn(f"step {manifest.step} was saved with the gradients of a step not yet applied "
+        job_warning(f"step {manifest.step} was saved with the gradients of a step not yet applied "
                       "(save_grads=True); restored without them (Checkpointer(save_grads=True) restores them), "
                       "the resumed run redoes that step from its first micro-step", stacklevel=4)
     rng_state = sd[RNG_KEY].value
     if rng_state is not None:
         rng.restore(rng_state)
     elif manifest.topology.world_size != world:
-        warnings.warn(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
+        job_warning(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
                       f"{world}: RNG streams start fresh", stacklevel=4)
     _warn_unmatched(state, saved_entries, report, dirty=dirty)
     return meta.get("user")
@@ -201,7 +200,7 @@ def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *,
             if name in fresh_optims and name in unstepped:
                 obj.state.clear()  # saved before its first step by a version that wrote made-up state
         elif is_per_rank_state(obj) and not same_world:
-            warnings.warn(
+            job_warning(
                 f"state entry {name!r} ({type(obj).__name__}): its state was saved by each of {saved_world} ranks and "
                 "cannot be resharded to this job's world size: it starts from its initial state, so samples may "
                 "repeat or be skipped this epoch. For a data cursor that reshards, sample with "
@@ -222,15 +221,15 @@ def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *,
 def _warn_unmatched(state: Mapping[str, Any], saved_entries: set[str], report, *, dirty: bool) -> None:
     not_restored = sorted(saved_entries - set(state))
     if not_restored:
-        warnings.warn(f"saved but not restored: {', '.join(not_restored)}", stacklevel=5)
+        job_warning(f"saved but not restored: {', '.join(not_restored)}", stacklevel=5)
     not_saved = sorted(set(state) - saved_entries) if saved_entries else []
     if not_saved and dirty:
-        warnings.warn(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
+        job_warning(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
                       "checkpoint wrote into the state, so they may hold its data: re-initialize them",
                       stacklevel=5)
     elif not_saved:
-        warnings.warn(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=5)
+        job_warning(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=5)
     unread = [k for k in report.unexpected if k.split(".", 1)[0] in state and not k.startswith(RNG_KEY)]
     if unread:
-        warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
+        job_warning(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
                       stacklevel=5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import warnings
 from typing import Any
 
 import orjson
@@ -60,3 +61,12 @@ class Ranks:
 
         g = control_group(self.process_group, self.timeout)
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
+
+
+def job_warning(message: str, *, stacklevel: int = 2) -> None:
+    """Warn once for the whole job about what every rank finds alike (a changed world size, a
+    checkpoint all ranks fall back from): on rank 0 of the default group, or in a process alone."""
+    d = torch.distributed
+    if d.is_available() and d.is_initialized() and d.get_rank() != 0:
+        return
+    warnings.warn(message, stacklevel=stacklevel + 1)
