@@ -4,6 +4,7 @@ there) imported and compared bit for bit with what DeepSpeed's own zero_to_fp32 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import struct
@@ -247,3 +248,13 @@ def test_fresh_deepspeed_checkpoint_end_to_end(tmp_path):
     state = {f"model.{k}": torch.empty_like(v) for k, v in params.items()}
     shardfmt.load(state, str(tmp_path / "ckpt"))
     assert rep.zero_stage == 3 and all(_bits(state[f"model.{k}"]) == _bits(v) for k, v in params.items())
+
+
+def test_progress_is_told_every_tensor_byte_written(tmp_path):
+    seen: list[int] = []
+    rep = _import(CASES[0], tmp_path / "p", memory_budget=64, progress=seen.append)
+    m = rep.manifest
+    stored = sum(t.itemsize * math.prod(t.shape) for t in shardfmt.read_manifest(str(tmp_path / "p")).tensors.values()
+                 if t.stored)
+    assert len(seen) > 1 and sum(seen) == stored, (seen, stored)  # one call per part written
+    assert m.step is not None

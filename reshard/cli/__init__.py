@@ -165,6 +165,7 @@ def _add_import_deepspeed(sub) -> None:
     ds.add_argument("--format-version", type=int, choices=(1, 2), help="shardfmt format version to write "
                                                                       "(default: the writer's)")
     ds.add_argument("--no-verify", action="store_true", help="skip checking the zip CRC-32 of every storage")
+    ds.add_argument("--no-progress", action="store_true", help="no progress bar")
     ds.set_defaults(func=_command("import_deepspeed"))
 
 

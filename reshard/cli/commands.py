@@ -95,9 +95,15 @@ def cmd_import_deepspeed(args) -> int:
     if not args.trust_pickle:
         print(f"reshard: error: import-deepspeed needs --trust-pickle. {DEEPSPEED_TRUST_PICKLE_HELP}", file=sys.stderr)
         return 2
-    rep = import_deepspeed(args.src, args.dst, trust_pickle=True, tag=args.tag, model_prefix=args.model_prefix,
-                           storage_options=_opts(args), memory_budget=args.memory_budget, step=args.step,
-                           overwrite=args.overwrite, format_version=args.format_version, verify=not args.no_verify)
+    bar = byte_bar("import-deepspeed", shown=not args.no_progress)
+    try:
+        rep = import_deepspeed(args.src, args.dst, trust_pickle=True, tag=args.tag, model_prefix=args.model_prefix,
+                               storage_options=_opts(args), memory_budget=args.memory_budget, step=args.step,
+                               overwrite=args.overwrite, format_version=args.format_version, verify=not args.no_verify,
+                               progress=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
     for name, why in rep.left_out:
         print(f"reshard: note: {name} left out: {why}", file=sys.stderr)
     m = rep.manifest

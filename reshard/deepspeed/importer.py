@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,7 @@ def import_deepspeed(
     overwrite: bool = False,
     format_version: int | None = None,
     verify: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> DeepSpeedImportReport:
     """Import the DeepSpeed ZeRO checkpoint at ``src`` (the save dir holding ``latest``) as ``dst``.
 
@@ -93,7 +94,8 @@ def import_deepspeed(
     ``optim.param_groups`` (as ``shardfmt.get_state_dict`` names a model and its optimizer).
     ``step`` defaults to DeepSpeed's ``global_steps``; ``metadata`` to ``{"imported_from": ...}``.
     ``verify`` checks every storage's zip CRC-32 before writing. ``memory_budget`` bounds the
-    tensor bytes held at once (a larger tensor is held alone).
+    tensor bytes held at once (a larger tensor is held alone). ``progress(n)`` is told each
+    ``n`` bytes of tensors written (the command line's progress bar).
     """
     if trust_pickle is not True:
         raise DeepSpeedImportError(f"{src}: refusing to read DeepSpeed pickles without trust_pickle=True. "
@@ -109,7 +111,7 @@ def import_deepspeed(
     source = _open(storage, root, tag_dir)
     try:
         return _write(source, dst, tag=tag, model_prefix=model_prefix, storage_options=storage_options,
-                      memory_budget=memory_budget, step=step, metadata=metadata, overwrite=overwrite,
+                      memory_budget=memory_budget, step=step, metadata=metadata, overwrite=overwrite, progress=progress,
                       format_version=format_version, verify=verify)
     finally:
         for f in source.optim_files + source.model_files:
@@ -288,7 +290,7 @@ def _tensors(s: _Source, plans: list[ParamPlan], model_prefix: str) -> Iterator[
 
 def _write(s: _Source, dst: str, *, tag: str, model_prefix: str, storage_options: dict | None, memory_budget: int,
            step: int | None, metadata: Any, overwrite: bool, format_version: int | None,
-           verify: bool) -> DeepSpeedImportReport:
+           verify: bool, progress: Callable[[int], None] | None = None) -> DeepSpeedImportReport:
     plans = _plans(s)
     if verify:
         for f in s.optim_files + s.model_files:
@@ -309,11 +311,15 @@ def _write(s: _Source, dst: str, *, tag: str, model_prefix: str, storage_options
             t = t.contiguous()
             if batch and held + t.nbytes > memory_budget:
                 writer.write_rank(0, batch, part=part)
+                if progress is not None:
+                    progress(held)
                 batch, held, part = [], 0, part + 1
             batch.append(ShardData(fqn=fqn, data=t, global_shape=tuple(t.shape), offsets=(0,) * t.dim()))
             held += t.nbytes
         if batch or part == 0:
             writer.write_rank(0, batch, part=part)
+            if progress is not None:
+                progress(held)
         for p in plans:
             value = _step_value(s, p)
             if p.state is not None and isinstance(value, (int, float)):

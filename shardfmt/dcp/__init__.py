@@ -10,11 +10,12 @@ DCP's planners stay in charge of who writes and reads what; everything on disk i
 (safetensors, a JSON manifest, ``COMMITTED``): a checkpoint written so loads with
 ``shardfmt.load``, validates and converts, and ``Reader`` reads any shardfmt checkpoint.
 Nothing is pickled on disk and nothing read from disk is unpickled (``writer``, ``reader``).
-Names: ``names``. Scale: DCP hands every rank the whole ``Metadata`` and checks the global plan
+Names: ``names``; ``planner.SavePlanner`` keeps values whole, as ``shardfmt.save`` names them. Scale: DCP hands every rank the whole ``Metadata`` and checks the global plan
 on one rank, so the per-rank scale of format 2 holds only through shardfmt's own API.
 """
 
+from shardfmt.dcp.planner import SavePlanner
 from shardfmt.dcp.reader import Reader
 from shardfmt.dcp.writer import Writer
 
-__all__ = ["Reader", "Writer"]
+__all__ = ["Reader", "SavePlanner", "Writer"]

@@ -58,7 +58,10 @@ def regroup(tensor_paths: Iterable[Path], values: Mapping[Path, Any]) -> dict[st
         if path in holds_tensor:
             pending.extend((path + (seg,), child) for seg, child in node.items())
         else:
-            out[name_of(path)] = _build(node)
+            name = name_of(path)
+            if name in out:  # e.g. {"x.y": {...}} beside {"x": {"y": {...}}}: shardfmt refuses it too
+                raise StateDictError(f"{name}: two entries of the state have this name")
+            out[name] = _build(node)
     return dict(sorted(out.items()))
 
 
@@ -71,7 +74,7 @@ def _insert(root: dict, path: Path, leaf: Any) -> None:
         if not isinstance(child, dict):
             raise StateDictError(f"{name_of(path[:i + 1])}: a leaf and entries under it ({name_of(path)})")
         node = child
-    if isinstance(node.get(path[-1]), dict) or (node.get(path[-1]) is not None and isinstance(leaf, dict)):
+    if isinstance(node.get(path[-1]), dict):
         raise StateDictError(f"{name_of(path)}: a leaf and entries under it")
     if path[-1] in node:
         raise StateDictError(f"{name_of(path)}: two entries of the state have this name")
@@ -96,21 +99,36 @@ def _terminal(value: Any) -> bool:
     return not any(isinstance(v, (Mapping, list)) and not _terminal(v) for v in value)
 
 
-def dcp_leaves(name: str, value: Any) -> list[tuple[str, Path]]:
-    """The DCP leaves of the shardfmt value ``name``: (DCP name, the keys from ``value`` to the
-    leaf), in DCP's order."""
-    out: list[tuple[str, Path]] = []
-    pending: list[tuple[str, Path, Any]] = [(name, (), value)]
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One DCP leaf of a stored value: its DCP name, the keys from the value to it (``within``,
+    for ``leaf_at``) and the same path as DCP records it (``path``: a mapping's key as ``str``)."""
+
+    name: str
+    within: Path
+    path: Path
+
+
+def dcp_leaves(name: str, value: Any) -> list[Leaf]:
+    """The DCP leaves of the shardfmt value ``name``, in DCP's order; two that DCP would name
+    alike (keys ``1`` and ``"1"``) are refused."""
+    out: list[Leaf] = []
+    pending: list[Leaf | tuple[Leaf, Any]] = [(Leaf(name, (), ()), value)]
     while pending:
-        at, within, v = pending.pop()
+        at, v = pending.pop()
         if isinstance(v, Mapping):
-            items = list(v.items())
+            items = [(k, str(k), x) for k, x in v.items()]
         elif not _terminal(v):
-            items = list(enumerate(v))
+            items = [(i, i, x) for i, x in enumerate(v)]
         else:
-            out.append((at, within))
+            out.append(at)
             continue
-        pending.extend((f"{at}.{k}", within + (k,), x) for k, x in reversed(items))
+        pending.extend((Leaf(f"{at.name}.{seg}", at.within + (k,), at.path + (seg,)), x)
+                       for k, seg, x in reversed(items))
+    names = [leaf.name for leaf in out]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise StateDictError(f"{dup}: two entries of the value {name} have this name in DCP's flattening")
     return out
 
 

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from shardfmt.api import load
-from shardfmt.dcp.names import Path, dcp_leaves, leaf_at
+from shardfmt.dcp.names import Leaf, Path, dcp_leaves, leaf_at, name_of
+from shardfmt.dcp.writer import PATHS_EXTENSION
 from shardfmt.errors import EncodingError, StateDictError
 from shardfmt.format import jsonvalue
 from shardfmt.format.dtypes import torch_dtype
@@ -48,36 +49,38 @@ from shardfmt.loading.resolve import with_rank_values
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Opened:
-    """The checkpoint ``read_metadata`` opened: where, its root manifest, and each DCP value
-    leaf's (stored value's name, keys within it)."""
+    """The checkpoint ``read_metadata`` opened: where, its root manifest (with this rank's
+    per-rank values), each stored value decoded once, and each DCP value leaf's (stored value's
+    name, keys within it)."""
 
     storage: Storage
     path: str
     manifest: Manifest
     rank: int
-    values: Mapping[str, tuple[str, Path]]
+    decoded: Mapping[str, Any]
+    leaves: Mapping[str, tuple[str, Path]]
 
 
 class Reader(StorageReader):
     """Read a shardfmt checkpoint with ``dcp.load(state, storage_reader=Reader(path))``.
 
-    ``verify`` (default on) checks every chunk read against its hash; ``options`` (a
+    ``verify`` (default on) checks every chunk read against its hash; ``cast`` (default on, as
+    DCP's own reader copies into whatever dtype the target has) converts dtypes; ``options`` (a
     ``LoadOptions``) shapes the reads. ``allow_pickled_bytes``: hand DCP values that hold
     pickled bytes (a torchtitan dataloader's) instead of refusing them: whoever unpickles them
     runs code from the checkpoint.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, storage_options: dict | None = None,
-                 verify: bool | None = None, allow_pickled_bytes: bool = False,
+                 verify: bool | None = None, cast: bool = True, allow_pickled_bytes: bool = False,
                  options: LoadOptions | None = None) -> None:
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         self.storage_options = storage_options
-        self.options = dataclasses.replace(LoadOptions.merged(options, verify=verify), share_reads=False,
+        self.options = dataclasses.replace(LoadOptions.merged(options, verify=verify, cast=cast), share_reads=False,
                                            strict=True, per_rank="skip")
         self.allow_pickled_bytes = allow_pickled_bytes
         self._opened: _Opened | None = None
-        self._rank: int | None = None
 
     # -- DCP's calls, in order
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -85,14 +88,17 @@ class Reader(StorageReader):
             self.path = os.fspath(checkpoint_id)
         self._opened = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's ``Metadata`` from the manifest: tensors whole, values as DCP's leaves."""
+    def read_metadata(self) -> Metadata:
+        """DCP's ``Metadata`` from the manifest: tensors whole, values as DCP's leaves, each
+        name's path as the job's state held it (``dcp_paths``, when a DCP save wrote it)."""
         if self.path is None:
             raise StateDictError("the DCP reader has no path: give Reader(path) or dcp.load(checkpoint_id=...)")
         storage, where = get_storage(self.path, self.storage_options)
         ckpt = open_checkpoint(where, storage=storage, whole=False)
-        rank = _rank(kwargs.get("rank", self._rank))
-        m = with_rank_values(storage, ckpt.path, ckpt.manifest, rank)
+        opened = _open(storage, ckpt.path, ckpt.manifest, _default_rank())
+        self._opened = opened
+        m = opened.manifest
+        known = _saved_paths(m)
         entries: dict[str, Any] = {}
         paths: dict[str, Path] = {}
         for fqn, rec in sorted(m.tensors.items()):
@@ -100,20 +106,17 @@ class Reader(StorageReader):
             entries[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=torch_dtype(rec.dtype, what=fqn)), size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
-            paths[fqn] = tuple(fqn.split("."))
-        values: dict[str, tuple[str, Path]] = {}
-        for name in sorted(m.values):
-            value = _stored_value(m, name, rank, ckpt.path)
-            for leaf, within in ([(name, ())] if value is _ABSENT else dcp_leaves(name, value)):
-                entries[leaf] = BytesStorageMetadata()
-                values[leaf] = (name, within)
-                paths[leaf] = tuple(name.split(".")) + within
-        self._opened = _Opened(storage=storage, path=ckpt.path, manifest=m, rank=rank, values=values)
+            paths[fqn] = known.get(fqn) or tuple(fqn.split("."))
+        for leaf, (name, _) in opened.leaves.items():
+            entries[leaf] = BytesStorageMetadata()
+            paths[leaf] = (known.get(name) or tuple(name.split("."))) + _dcp_path(opened, leaf)
         return Metadata(state_dict_metadata=entries, planner_data=paths)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if "rank" in kwargs:
-            self._rank = kwargs["rank"]
+        opened = self._opened
+        rank = kwargs.get("rank")
+        if opened is not None and rank is not None and rank != opened.rank:  # the process group's rank
+            self._opened = _open(opened.storage, opened.path, opened.manifest, int(rank))
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -147,8 +150,8 @@ class Reader(StorageReader):
     # -- the parts
     def _value_bytes(self, opened: _Opened, leaf: str) -> io.BytesIO:
         """``torch.save`` bytes of the value leaf ``leaf``, made here from its typed JSON."""
-        name, within = opened.values[leaf]
-        value = _stored_value(opened.manifest, name, opened.rank, opened.path)
+        name, within = opened.leaves[leaf]
+        value = opened.decoded[name]
         if value is _ABSENT:
             raise StateDictError(f"{opened.path}: {name} was saved per rank by a job of "
                                  f"{opened.manifest.topology.world_size} ranks; rank {opened.rank} has none")
@@ -168,6 +171,43 @@ class Reader(StorageReader):
 _ABSENT = object()  # a per-rank value this rank has none of
 
 
+def _open(storage: Storage, path: str, root: Manifest, rank: int) -> _Opened:
+    """The checkpoint as ``rank`` reads it: its per-rank values, every value decoded once."""
+    m = with_rank_values(storage, path, root, rank)
+    decoded = {name: _stored_value(m, name, rank, path) for name in sorted(m.values)}
+    leaves: dict[str, tuple[str, Path]] = {}
+    for name, value in decoded.items():
+        for leaf in ([Leaf(name, (), ())] if value is _ABSENT else dcp_leaves(name, value)):
+            leaves[leaf.name] = (name, leaf.within)
+    return _Opened(storage=storage, path=path, manifest=m, rank=rank, decoded=decoded, leaves=leaves)
+
+
+def _dcp_path(opened: _Opened, leaf: str) -> Path:
+    """The keys DCP's flattening records from a stored value to ``leaf``: a mapping's as ``str``."""
+    name, within = opened.leaves[leaf]
+    out, v = [], opened.decoded[name]
+    for k in within:
+        out.append(str(k) if isinstance(v, Mapping) else k)
+        v = v[k]
+    return tuple(out)
+
+
+def _saved_paths(m: Manifest) -> dict[str, Path]:
+    """``dcp_paths`` (spec section 9): each name's keys in the state a DCP save held; a hint, so
+    anything malformed in it is ignored (names then split at their dots)."""
+    ext = m.extensions.get(PATHS_EXTENSION)
+    try:
+        raw = jsonvalue.decode(ext.value, where=PATHS_EXTENSION) if ext is not None else {}
+    except EncodingError:
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {n: tuple(p) for n, p in raw.items()
+            if isinstance(n, str) and isinstance(p, list) and p and all(
+                isinstance(s, str) or (isinstance(s, int) and not isinstance(s, bool)) for s in p)
+            and name_of(tuple(p)) == n}
+
+
 def _stored_value(m: Manifest, name: str, rank: int, source: str) -> Any:
     rec = m.values[name]
     if rec.indexed or rec.per_rank is not None:
@@ -180,9 +220,7 @@ def _stored_value(m: Manifest, name: str, rank: int, source: str) -> Any:
     return jsonvalue.decode_stored(raw, where=name, source=source)
 
 
-def _rank(given: int | None) -> int:
-    if given is not None:
-        return int(given)
+def _default_rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

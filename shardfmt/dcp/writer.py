@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -34,8 +35,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from shardfmt.dcp.names import Path, regroup
-from shardfmt.errors import EncodingError, StateDictError
+from shardfmt import errors
+from shardfmt.dcp.names import name_of, regroup
+from shardfmt.errors import EncodingError, ShardfmtError, StateDictError
 from shardfmt.format import jsonvalue
 from shardfmt.format.dtypes import dtype_code
 from shardfmt.format.index import RankEntry
@@ -52,6 +54,8 @@ from shardfmt.saving.shard_file import (
     write_shard_file,
 )
 from shardfmt.saving.writer import CheckpointWriter
+
+PATHS_EXTENSION = "dcp_paths"  # spec section 9: each name's path of keys in the state DCP saved
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +85,16 @@ class _Value:
     encoded: Any
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Failed:
+    """A rank's write step failed: the coordinator aborts the save and raises this (DCP skips
+    ``finish`` when ``write_data`` raises, which would leave the staged save and its lease)."""
+
+    rank: int
+    kind: str  # the shardfmt error class's name
+    message: str
+
+
 class Writer(StorageWriter):
     """Write ``dcp.save(state, storage_writer=Writer(path))`` as a shardfmt checkpoint at
     ``path`` (a directory or fsspec URL; ``checkpoint_id=`` replaces it).
@@ -90,6 +104,8 @@ class Writer(StorageWriter):
     (``overwrite``: replace a committed checkpoint there, atomically; ``storage_options``:
     fsspec's, e.g. S3 credentials). ``allow_pickled_bytes``: store values holding pickled bytes
     instead of refusing them (whoever later unpickles them runs code from the checkpoint).
+    DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) and saves without
+    collectives on more than one rank are refused: each save stages anew and commits once.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, step: int | None = None, metadata: Any = None,
@@ -111,7 +127,6 @@ class Writer(StorageWriter):
         self.allow_pickled_bytes = allow_pickled_bytes
         self.manifest: Manifest | None = None  # the coordinator's, once a save committed
         self._writer: CheckpointWriter | None = None
-        self._rank: int | None = None
 
     # -- DCP's calls, in order
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -121,7 +136,11 @@ class Writer(StorageWriter):
         self.manifest = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._rank = kwargs.get("rank")
+        d = torch.distributed
+        if kwargs.get("use_collectives") is False and d.is_available() and d.is_initialized() \
+                and d.get_world_size() > 1:
+            raise StateDictError(f"{self.path}: the DCP writer commits once for all ranks, after each wrote: "
+                                 "dcp.save(..., use_collectives=False) on more than one rank cannot do that")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -129,6 +148,11 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator: pick the hash chunk from every stored box, stage, assign the ranks."""
         self._abandon()
+        if not all(p.usable for p in plans):
+            raise StateDictError(f"{self.path}: DCP's cached save plans (enable_plan_caching=True) would send the "
+                                 "ranks the previous save's place: save without plan caching")
+        if self.mesh is not None and _size(self.mesh) != len(plans):
+            raise StateDictError(f"mesh {dict(self.mesh)} does not multiply to the world size {len(plans)}")
         storage, where = get_storage(self._where(), self.options.storage_options)
         chunk = self.options.chunk_size or auto_chunk_size(
             (_nbytes(it) for p in plans for it in p.items if it.type != WriteItemType.BYTE_IO), format_version=2)
@@ -140,35 +164,35 @@ class Writer(StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Every rank: its tensors into one shard file and its index; its values as typed JSON."""
-        job: _Assignment = plan.storage_data
-        values = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
-        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
-        results = [WriteResult(index=it.index, size_in_bytes=0, storage_data=_Value(encoded=self._encode(it, planner)))
-                   for it in values]
-        if tensors:
-            storage, _ = get_storage(self._where(), self.options.storage_options)
-            shards = [_shard(it, planner) for it in tensors]
-            name = rank_file_name(job.rank, None, job.name_tag)
-            written = write_shard_file(storage, job.staging, name, job.rank, file_order(shards),
-                                       chunk_size=job.chunk_size, sync=self.options.sync,
-                                       workers=self.options.write_workers or default_write_workers(),
-                                       part_size=self.options.part_size, aligned=True)
-            entry = write_rank_index(storage, job.staging, rank=job.rank, save_id=job.save_id,
-                                     name_tag=job.name_tag, files={name: written.record}, values={})
-            stored = _Stored(rank=job.rank, entry=entry, file=name)
-            results += [WriteResult(index=it.index, size_in_bytes=_nbytes(it), storage_data=stored) for it in tensors]
+        """Every rank: its tensors into one shard file and its index; its values as typed JSON.
+        A failure is reported to the coordinator's ``finish`` (which aborts), not raised here."""
+        job = plan.storage_data
+        try:
+            if getattr(planner, "_enable_plan_caching", False) or not isinstance(job, _Assignment):
+                raise StateDictError(f"{self.path}: DCP's cached save plans (enable_plan_caching=True) would send "
+                                     "this rank to another save's place: save without plan caching")
+            results = self._write(job, plan, planner)
+        except Exception as e:  # noqa: BLE001 - every failure must reach finish, which aborts the staged save
+            rank = job.rank if isinstance(job, _Assignment) else -1
+            kind = type(e).__name__ if isinstance(e, ShardfmtError) else "StorageError"
+            results = [WriteResult(index=MetadataIndex(fqn=""), size_in_bytes=0,
+                                   storage_data=_Failed(rank=rank, kind=kind, message=str(e) or type(e).__name__))]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """The coordinator: record what every rank wrote, regroup the values, commit."""
+        """The coordinator: record what every rank wrote, regroup the values, commit; or, when a
+        rank failed, abort and raise its error."""
         writer, self._writer = self._writer, None
         if writer is None:
             raise StateDictError(f"{self.path}: finish() without prepare_global_plan(): DCP's save calls both")
         try:
-            self.manifest = writer.commit(**self._commit_args(writer, metadata, results))
+            _raise_failures(results)
+            _record(writer, metadata, results, allow_pickled_bytes=self.allow_pickled_bytes)
+            world = len(results)
+            self.manifest = writer.commit(step=self.step, metadata=self.metadata,
+                                          topology=Topology(world_size=world, mesh=self.mesh or (("world", world),)))
         except BaseException:
             writer.abort()
             raise
@@ -184,10 +208,28 @@ class Writer(StorageWriter):
         return self.path
 
     def _abandon(self) -> None:
-        """Discard a save this writer staged and never finished (its write step failed)."""
+        """Discard a save this writer staged and never finished."""
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.abort()
+
+    def _write(self, job: _Assignment, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        values = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
+        tensors = [it for it in plan.items if it.type != WriteItemType.BYTE_IO]
+        results = [WriteResult(index=it.index, size_in_bytes=0, storage_data=_Value(encoded=self._encode(it, planner)))
+                   for it in values]
+        if not tensors:
+            return results
+        storage, _ = get_storage(self._where(), self.options.storage_options)
+        name = rank_file_name(job.rank, None, job.name_tag)
+        written = write_shard_file(storage, job.staging, name, job.rank, file_order([_shard(it, planner) for it in tensors]),
+                                   chunk_size=job.chunk_size, sync=self.options.sync,
+                                   workers=self.options.write_workers or default_write_workers(),
+                                   part_size=self.options.part_size, aligned=True)
+        entry = write_rank_index(storage, job.staging, rank=job.rank, save_id=job.save_id, name_tag=job.name_tag,
+                                 files={name: written.record}, values={})
+        stored = _Stored(rank=job.rank, entry=entry, file=name)
+        return results + [WriteResult(index=it.index, size_in_bytes=_nbytes(it), storage_data=stored) for it in tensors]
 
     def _encode(self, item: WriteItem, planner: SavePlanner) -> Any:
         fqn = item.index.fqn
@@ -203,41 +245,46 @@ class Writer(StorageWriter):
                           "unpickles them after a load runs code from the checkpoint", stacklevel=2)
         return encoded
 
-    def _commit_args(self, writer: CheckpointWriter, metadata: Metadata,
-                     results: list[list[WriteResult]]) -> dict[str, Any]:
-        listed: dict[str, list[ListedShard]] = {}
-        values: dict[str, Any] = {}
-        ranks: dict[int, _Stored] = {}
-        for rank_results in results:
-            for r in rank_results:
-                fqn, data = r.index.fqn, r.storage_data
-                if isinstance(data, _Value):
-                    values[fqn] = jsonvalue.decode(data.encoded, where=fqn)
-                    continue
-                ranks[data.rank] = data
-                md = metadata.state_dict_metadata[fqn]
-                chunk = _chunk_at(md, r.index)
-                listed.setdefault(fqn, []).append(ListedShard(offsets=tuple(chunk.offsets), lengths=tuple(chunk.sizes),
-                                                              rank=data.rank))
-        paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
 
-        def path_of(fqn: str) -> Path:
-            return tuple(paths.get(fqn, (fqn,)))
+def _raise_failures(results: list[list[WriteResult]]) -> None:
+    """Raise the first failed rank's error, as its own shardfmt type, naming the rank."""
+    failed = [r.storage_data for rs in results for r in rs if isinstance(r.storage_data, _Failed)]
+    if failed:
+        f = min(failed, key=lambda x: x.rank)
+        cls = getattr(errors, f.kind, None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, ShardfmtError) else errors.StorageError
+        more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise cls(f"rank {f.rank}: {f.message}{more}; nothing was committed")
 
-        tensors = {f: md for f, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-        for fqn, md in sorted(tensors.items()):
-            writer.add_listed(fqn, dtype_code(md.properties.dtype, what=fqn), tuple(md.size), None,
-                              listed.get(fqn, []))
-        for rank, s in sorted(ranks.items()):
-            writer.add_rank_entry(rank, s.entry, files=(s.file,))
-        for fqn, value in regroup([path_of(f) for f in tensors], {path_of(f): v for f, v in values.items()}).items():
-            writer.add_encoded_value(fqn, ValueRecord(value=jsonvalue.encode(value, where=fqn,
-                                                                              pickled=self.allow_pickled_bytes)))
-        world = len(results)
-        topology = Topology(world_size=world, mesh=self.mesh or (("world", world),))
-        if self.mesh is not None and _size(self.mesh) != world:
-            raise StateDictError(f"mesh {dict(self.mesh)} does not multiply to the world size {world}")
-        return {"step": self.step, "metadata": self.metadata, "topology": topology}
+
+def _record(writer: CheckpointWriter, metadata: Metadata, results: list[list[WriteResult]], *,
+            allow_pickled_bytes: bool) -> None:
+    """Every tensor with its boxes and writer ranks, each rank's index, the values regrouped by
+    shardfmt's names, and every name's path (``dcp_paths``)."""
+    listed: dict[str, list[ListedShard]] = {}
+    values: dict[str, Any] = {}
+    for rank_results in results:
+        for r in rank_results:
+            fqn, data = r.index.fqn, r.storage_data
+            if isinstance(data, _Value):
+                values[fqn] = jsonvalue.decode(data.encoded, where=fqn)
+                continue
+            writer.add_rank_entry(data.rank, data.entry, files=(data.file,))
+            chunk = _chunk_at(metadata.state_dict_metadata[fqn], r.index)
+            listed.setdefault(fqn, []).append(ListedShard(offsets=tuple(chunk.offsets), lengths=tuple(chunk.sizes),
+                                                          rank=data.rank))
+    tensors = {f: md for f, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    for fqn, md in sorted(tensors.items()):
+        writer.add_listed(fqn, dtype_code(md.properties.dtype, what=fqn), tuple(md.size), None, listed.get(fqn, []))
+    paths = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    path_of = {f: tuple(paths.get(f, (f,))) for f in (*tensors, *values)}
+    grouped = regroup([path_of[f] for f in tensors], {path_of[f]: v for f, v in values.items()})
+    for fqn, value in grouped.items():
+        writer.add_encoded_value(fqn, ValueRecord(value=jsonvalue.encode(value, where=fqn, pickled=allow_pickled_bytes)))
+    prefixes = {name_of(p[:i]): p[:i] for p in path_of.values() for i in range(1, len(p) + 1)}
+    named = {**{f: path_of[f] for f in tensors}, **{name: prefixes.get(name, (name,)) for name in grouped}}
+    writer.add_hint(PATHS_EXTENSION, jsonvalue.encode({n: list(p) for n, p in sorted(named.items())},
+                                                      where=PATHS_EXTENSION))
 
 
 def _mesh(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -300,6 +347,9 @@ def _value_of(item: WriteItem, planner: SavePlanner) -> Any:
         try:
             return torch.load(data, weights_only=True)
         except Exception as e:  # noqa: BLE001 - torch's restricted loader refuses with many types
-            raise EncodingError(f"{item.index.fqn}: the value cannot be stored as typed JSON ({e})") from None
+            first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EncodingError(f"{item.index.fqn}: the planner serialized this value with torch.save and torch's "
+                                f"restricted loader refuses it ({first}); use a planner with lookup_object "
+                                "(DCP's DefaultSavePlanner) or plain values") from None
     return data
 

@@ -24,7 +24,9 @@ one-key object with a ``$`` key is always a tag. Anything else is refused with a
 from __future__ import annotations
 
 import base64
+import io
 import math
+import pickletools
 import re
 from typing import Any
 
@@ -41,19 +43,28 @@ MAX_DEPTH = 48  # nesting of one value; the manifest adds its own levels (limit 
 
 
 def is_pickle(data: bytes | bytearray) -> bool:
-    """Whether ``data`` looks like ``pickle.dumps`` output (protocol 2-5: the PROTO opcode, then
-    the STOP opcode last), as the state of some data loaders is (torchtitan's)."""
-    return len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5 and data[-1:] == b"."
+    """Whether a pickle loader would run ``data``: its first bytes parse (opcodes only, nothing
+    built or run: ``pickletools.genops``) as a whole pickle of any protocol, through its STOP
+    opcode (``pickle.loads`` ignores what follows); or it is ``torch.save``'s zip, whose
+    ``data.pkl`` is one. Data loaders' states hold such bytes (torchtitan's ``pickle.dumps``)."""
+    head = bytes(data[:1024])
+    if head[:4] == b"PK\x03\x04" and b"data.pkl" in head:
+        return True
+    try:
+        return any(op.name == "STOP" for op, _, _ in pickletools.genops(io.BytesIO(bytes(data))))
+    except Exception:  # noqa: BLE001 - any opcode stream that does not parse to STOP is no pickle
+        return False
 
 
 def holds_pickle(value: Any, _depth: int = 0) -> bool:
-    """Whether ``value`` holds, at any depth within ``MAX_DEPTH``, bytes that look pickled."""
+    """Whether ``value`` holds bytes ``is_pickle`` calls a pickle, as a value or a dict key at any
+    depth; a value nested deeper than ``MAX_DEPTH`` counts as holding one (refused unread)."""
     if isinstance(value, (bytes, bytearray)):
         return is_pickle(value)
     if _depth > MAX_DEPTH:
-        return False
+        return isinstance(value, (dict, list, tuple))
     if isinstance(value, dict):
-        return any(holds_pickle(v, _depth + 1) for v in value.values())
+        return any(holds_pickle(k, _depth + 1) or holds_pickle(v, _depth + 1) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return any(holds_pickle(v, _depth + 1) for v in value)
     return False
@@ -101,7 +112,7 @@ def encode(value: Any, *, where: str = "value", pickled: bool = False, _depth: i
         }
     if isinstance(value, (bytes, bytearray)):
         if is_pickle(value) and not pickled:
-            raise EncodingError(f"{where}: holds pickled bytes (pickle protocol {value[1]}); shardfmt never "
+            raise EncodingError(f"{where}: holds pickled bytes; shardfmt never "
                                 "writes a pickle, which would run code when read back: return the state as "
                                 "tensors and plain values (dicts, lists, numbers, strings) instead")
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}

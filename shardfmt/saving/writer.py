@@ -173,6 +173,7 @@ class CheckpointWriter:
         self._base = opts.base
         self._node_part = opts.node_part
         self._stats: dict[str, list[float]] | None = {}  # v2: per-tensor statistics, summed over the ranks
+        self._hints: dict[str, Extension] = {}  # v2: extensions that only add information (spec section 9)
         self._done = False
         self._staging: str | None = None
         self._lease: _Lease | None = None
@@ -338,6 +339,11 @@ class CheckpointWriter:
         """v2: record no statistics (a rank could not compute its part)."""
         self._stats = None
 
+    def add_hint(self, name: str, value: Any) -> None:
+        """v2: record the extension ``name`` (one spec section 9 defines) that only adds
+        information: ``required`` false, readers that do not know it load the same data."""
+        self._hints[name] = Extension(required=False, value=value)
+
     def add_chain(self, chain: refs.Chain) -> None:
         """v2: record bases a rank's index references (an incremental save): the union is kept.
         A chain past the format's limits (section 4.10) is refused: no reader could open it."""
@@ -448,7 +454,7 @@ class CheckpointWriter:
         )
 
     def _extensions(self) -> dict[str, Extension]:
-        out = {}
+        out = dict(self._hints)
         if self._chain is not None:
             out[refs.EXTENSION] = self._chain.to_extension()
         if self._stats:  # a statistic: readers that do not know it ignore it (spec section 9)
