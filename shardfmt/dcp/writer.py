@@ -13,10 +13,11 @@ writer decides how it lands, in DCP's call order::
     4) coordinator    finish: every tensor listed with its boxes and their writers, the values
                       regrouped by shardfmt's names (``dcp.names``), the manifest, COMMITTED
 
-Bytes that look pickled (``pickle.dumps`` output inside a value, as torchtitan's dataloader
-state holds) are refused naming the key, unless ``allow_pickled_bytes=True`` (then stored as
-bytes, with a warning). A save that fails before step 4 leaves only a staging directory, which
-no reader takes for a checkpoint (``shardfmt gc`` collects it; the writer's next save aborts it).
+Bytes that are a pickle (``jsonvalue.is_pickle``: torchtitan's dataloader state holds
+``pickle.dumps`` output) are refused naming the key, unless ``allow_pickled_bytes=True`` (then
+stored as bytes, with a warning). A rank whose write step fails reports it to ``finish`` instead
+of raising (DCP would skip ``finish``, leaving the staged save and its lease): the coordinator
+aborts and raises that rank's error, so a failed save commits nothing and leaves nothing.
 """
 
 from __future__ import annotations
