@@ -7,7 +7,8 @@ Every rank holds a quarter (half, ...) of each weight and of the AdamW state (DT
 the Checkpointer writes each rank's shards in parallel, commits once every rank succeeded, and a
 restore reads on the new world size exactly the slices each rank now holds. The batch of step n
 is drawn from a generator seeded with n, so a resumed run sees the batches the uninterrupted one
-saw. Rank 0 prints ``step <n> loss <value>`` each step. CPU with gloo, or CUDA with nccl.
+saw. Rank 0 prints ``step <n> loss <value>`` each step. CPU with gloo, or CUDA with nccl (a GPU
+per local rank).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def build(device: torch.device) -> torch.nn.Module:
 
 
 def batch(step: int, rank: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's part of step ``step``'s global batch of 64 (the same global batch at any world size)."""
+    """This rank's part of step ``step``'s global batch of 64 (the same global batch at any world
+    size; every rank's part is the same size, so the same gradients, when the world size divides 64)."""
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(64, 32, generator=g), torch.randn(64, 8, generator=g)
     return x[rank::world].to(device), y[rank::world].to(device)
@@ -43,7 +45,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=4, help="save every this many steps")
     args = p.parse_args()
 
-    cuda = torch.cuda.is_available()
+    # a GPU per local rank, or CPU with gloo (nccl cannot share one GPU between two ranks)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -63,8 +63,9 @@ def main() -> None:
         opt.step()
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
-    state = {**shardfmt.get_state_dict(model, opt), "step": args.steps}
-    shardfmt.save(state, args.ckpt, step=args.steps, mesh={"tp": world}, overwrite=True)
+    if args.steps > start:  # a step ran: save it (never relabel a later checkpoint with an earlier step)
+        state = {**shardfmt.get_state_dict(model, opt), "step": args.steps}
+        shardfmt.save(state, args.ckpt, step=args.steps, mesh={"tp": world}, overwrite=True)
     dist.barrier()  # every rank done before any leaves (gloo aborts a peer still talking)
     dist.destroy_process_group()
 

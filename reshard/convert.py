@@ -432,7 +432,8 @@ def _carried_values(m: Manifest, mesh: Mesh, per_rank: str) -> tuple[dict[str, V
         if rec.per_rank is not None and mesh.world_size != m.topology.world_size:
             if per_rank == "error":
                 raise StateDictError(f"value {name!r} is per rank (saved by {m.topology.world_size} ranks); the new "
-                                     f"mesh has {mesh.world_size} ranks (pass per_rank='drop' to leave it out)")
+                                     f"mesh has {mesh.world_size} ranks (per_rank='drop', on the command line --per-rank drop, "
+                                     "leaves it out)")
             dropped.append(name)
             continue
         values[name] = rec

@@ -7,6 +7,7 @@ are in ``tests/distributed/test_dcp_flows.py``.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
@@ -368,16 +369,17 @@ def _pickled(form: str):
         for _ in range(60):
             value = [value]
         return value
-    return {"blob": pickle.dumps({"a": 1}, int(form[-1]))}
+    return {"blob": pickle.dumps(collections.OrderedDict(a=1), int(form[-1]))}  # imports: runs code to load
 
 
 @pytest.mark.parametrize("form", ["protocol 0", "protocol 1", "protocol 5", "torch.save zip", "a dict key",
                                   "nested 60 deep"])
 def test_every_form_of_pickled_bytes_is_refused(tmp_path, form):
     """Found in review: protocols 0 and 1, torch.save's zip, a dict key, and a value nested past
-    the depth limit all slipped past the check."""
+    the depth limit all slipped past the check. Random bytes (an RNG state) are no pickle."""
     value = _pickled(form)
     assert jsonvalue.holds_pickle(value)
+    assert not jsonvalue.holds_pickle({"rng": torch.get_rng_state().numpy().tobytes(), "n": [b".", b"N."]})
     with pytest.raises(BaseException, match=r"dl[.\w]*: holds pickled bytes"):
         dcp.save({"w": torch.ones(1), "dl": value}, storage_writer=Writer(str(tmp_path / "ck")))
     assert os.listdir(tmp_path) == []
@@ -405,3 +407,34 @@ def test_value_leaves_are_read_in_time_linear_in_their_number(tmp_path):
     dcp.load(got, storage_reader=Reader(path))
     assert got["table"] == values
     assert time.perf_counter() - t0 < 10, "quadratic in the leaves"
+
+
+def test_a_failed_ranks_error_keeps_its_type_and_names_the_rank():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from shardfmt.dcp.writer import _failure, _raise_failures
+    from shardfmt.errors import EncodingError, ShardfmtError, StorageError
+
+    def raised(*failures) -> BaseException:
+        with pytest.raises(ShardfmtError) as e:
+            _raise_failures([[WriteResult(index=MetadataIndex(fqn=""), size_in_bytes=0, storage_data=f)]
+                             for f in failures])
+        return e.value
+
+    e = raised(_failure(1, KeyError("train_state.step")))
+    assert type(e) is ShardfmtError and str(e).startswith("rank 1: KeyError: 'train_state.step'")
+    e = raised(_failure(2, OSError(28, "No space left on device")), _failure(1, EncodingError("x: bad")))
+    assert type(e) is EncodingError and str(e) == "rank 1: x: bad (and 1 more rank(s)); nothing was committed"
+    assert type(raised(_failure(0, OSError(28, "full")))) is StorageError
+    assert str(raised(_failure(None, StateDictError("cached plans")))).startswith("a rank: cached plans")
+
+
+def test_random_bytes_are_no_pickle():
+    """An RNG state is random bytes, saved with every checkpoint: the pickle check must not refuse
+    it (CI found a check that opcode-parsed random bytes refusing 1 in 4000)."""
+    import random
+
+    r = random.Random(0)
+    hits = [n for n in (8, 64, 5056) for _ in range(3000) if jsonvalue.is_pickle(r.randbytes(n))]
+    assert hits == []

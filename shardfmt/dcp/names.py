@@ -12,7 +12,8 @@ value names differ. An optimizer's ``param_groups`` is one shardfmt value
 The writer stores values by shardfmt's rule (``regroup``), so ``shardfmt.load`` reads a
 checkpoint DCP wrote; the reader lists stored values by DCP's rule (``dcp_leaves``), so
 ``dcp.load`` reads one ``shardfmt.save`` wrote. An empty mapping is no DCP leaf, so DCP never
-saves one; inside a list, the gap it leaves is filled back with ``{}``.
+saves one; inside a list, a gap it leaves before a later item is filled back with ``{}`` (one at
+the end is lost). ``planner.SavePlanner`` keeps values whole instead.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict: dict, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         flat: dict[str, Any] = {}
+        self.paths = {}
         for path, value in _leaves(state_dict):
             name = name_of(path)
             if name in flat:
@@ -68,12 +69,13 @@ def _holds_tensor(value: Any, depth: int = 0) -> bool:
 
 
 def _leaves(state: dict) -> Iterator[tuple[Path, Any]]:
-    """(path, leaf) of shardfmt's flattening: containers walked only while they hold a tensor."""
-    pending: list[tuple[Path, Any]] = [((k,), v) for k, v in reversed(list(state.items()))]
+    """(path, leaf) of shardfmt's flattening: containers walked only while they hold a tensor; a
+    path records a mapping's key as ``str`` and a list's or tuple's index as ``int``, as DCP does."""
+    pending: list[tuple[Path, Any]] = [((str(k),), v) for k, v in reversed(list(state.items()))]
     while pending:
         path, value = pending.pop()
         if isinstance(value, (dict, list, tuple)) and _holds_tensor(value):
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            pending.extend((path + (k,), v) for k, v in reversed(list(items)))
+            items = [(str(k), v) for k, v in value.items()] if isinstance(value, dict) else list(enumerate(value))
+            pending.extend((path + (k,), v) for k, v in reversed(items))
         else:
             yield path, value

@@ -113,10 +113,18 @@ class Reader(StorageReader):
         return Metadata(state_dict_metadata=entries, planner_data=paths)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's rank (its process group's) replaces the global one ``read_metadata`` assumed; the
+        per-rank values DCP already planned from must be the same leaves for it."""
         opened = self._opened
         rank = kwargs.get("rank")
-        if opened is not None and rank is not None and rank != opened.rank:  # the process group's rank
-            self._opened = _open(opened.storage, opened.path, opened.manifest, int(rank))
+        if opened is None or rank is None or rank == opened.rank:
+            return
+        again = _open(opened.storage, opened.path, opened.manifest, int(rank))
+        if again.leaves.keys() != opened.leaves.keys():
+            raise StateDictError(f"{opened.path}: per-rank values differ between rank {opened.rank} (the global rank "
+                                 f"the metadata was built for) and rank {rank} (DCP's rank in its process group); "
+                                 "load per-rank values with shardfmt.load, which takes rank=")
+        self._opened = again
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -150,6 +158,8 @@ class Reader(StorageReader):
     # -- the parts
     def _value_bytes(self, opened: _Opened, leaf: str) -> io.BytesIO:
         """``torch.save`` bytes of the value leaf ``leaf``, made here from its typed JSON."""
+        if leaf not in opened.leaves:
+            raise StateDictError(f"{opened.path}: no value {leaf!r} for rank {opened.rank}")
         name, within = opened.leaves[leaf]
         value = opened.decoded[name]
         if value is _ABSENT:

@@ -91,9 +91,20 @@ class _Failed:
     """A rank's write step failed: the coordinator aborts the save and raises this (DCP skips
     ``finish`` when ``write_data`` raises, which would leave the staged save and its lease)."""
 
-    rank: int
-    kind: str  # the shardfmt error class's name
+    rank: int | None  # None: a rank that never learnt its number
+    kind: str  # the class in ``shardfmt.errors`` to raise
     message: str
+
+
+def _failure(rank: int | None, e: Exception) -> _Failed:
+    """What a failed rank reports: its error's nearest class in ``shardfmt.errors`` (an ``OSError``
+    is a ``StorageError``); the message keeps any other exception's type."""
+    kind = next((c.__name__ for c in type(e).__mro__ if getattr(errors, c.__name__, None) is c
+                 and issubclass(c, ShardfmtError)), None)
+    if kind is None:
+        kind = "StorageError" if isinstance(e, OSError) else "ShardfmtError"
+    message = str(e) if isinstance(e, (ShardfmtError, OSError)) else f"{type(e).__name__}: {e}"
+    return _Failed(rank=rank, kind=kind, message=message or type(e).__name__)
 
 
 class Writer(StorageWriter):
@@ -174,10 +185,8 @@ class Writer(StorageWriter):
                                      "this rank to another save's place: save without plan caching")
             results = self._write(job, plan, planner)
         except Exception as e:  # noqa: BLE001 - every failure must reach finish, which aborts the staged save
-            rank = job.rank if isinstance(job, _Assignment) else -1
-            kind = type(e).__name__ if isinstance(e, ShardfmtError) else "StorageError"
-            results = [WriteResult(index=MetadataIndex(fqn=""), size_in_bytes=0,
-                                   storage_data=_Failed(rank=rank, kind=kind, message=str(e) or type(e).__name__))]
+            rank = job.rank if isinstance(job, _Assignment) else None
+            results = [WriteResult(index=MetadataIndex(fqn=""), size_in_bytes=0, storage_data=_failure(rank, e))]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -251,11 +260,11 @@ def _raise_failures(results: list[list[WriteResult]]) -> None:
     """Raise the first failed rank's error, as its own shardfmt type, naming the rank."""
     failed = [r.storage_data for rs in results for r in rs if isinstance(r.storage_data, _Failed)]
     if failed:
-        f = min(failed, key=lambda x: x.rank)
-        cls = getattr(errors, f.kind, None)
-        cls = cls if isinstance(cls, type) and issubclass(cls, ShardfmtError) else errors.StorageError
+        f = min(failed, key=lambda x: (x.rank is None, x.rank or 0))
+        cls = getattr(errors, f.kind, errors.ShardfmtError)
         more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise cls(f"rank {f.rank}: {f.message}{more}; nothing was committed")
+        who = "a rank" if f.rank is None else f"rank {f.rank}"
+        raise cls(f"{who}: {f.message}{more}; nothing was committed")
 
 
 def _record(writer: CheckpointWriter, metadata: Metadata, results: list[list[WriteResult]], *,

@@ -28,6 +28,7 @@ import io
 import math
 import pickletools
 import re
+import warnings
 from typing import Any
 
 import numpy as np
@@ -42,18 +43,50 @@ _NP_KINDS = frozenset("biufc")  # numeric and bool numpy dtypes only (no object,
 MAX_DEPTH = 48  # nesting of one value; the manifest adds its own levels (limit 64 in all)
 
 
+# Opcodes that push a string (or one from the memo): what STACK_GLOBAL takes its module and name from.
+_STRINGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
+                      "SHORT_BINSTRING", "GET", "BINGET", "LONG_BINGET", "MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"})
+_IMPORT = re.compile(r"[A-Za-z_][\w.]* [A-Za-z_][\w.]*")  # GLOBAL's and INST's "module name"
+
+
 def is_pickle(data: bytes | bytearray) -> bool:
-    """Whether a pickle loader would run ``data``: its first bytes parse (opcodes only, nothing
-    built or run: ``pickletools.genops``) as a whole pickle of any protocol, through its STOP
-    opcode (``pickle.loads`` ignores what follows); or it is ``torch.save``'s zip, whose
-    ``data.pkl`` is one. Data loaders' states hold such bytes (torchtitan's ``pickle.dumps``)."""
+    """Whether ``data`` is a pickle someone would unpickle: ``pickle.dumps`` output (protocol 2-5:
+    the PROTO opcode first, STOP last; data loaders' states hold such bytes, torchtitan's);
+    ``torch.save``'s zip (its ``data.pkl`` is one); or, in any protocol, a pickle that imports
+    something (the only way one runs code): opcodes that parse (``pickletools.genops``, nothing
+    built or run) through an import of a ``module name`` to STOP, with a stack that adds up
+    (``pickletools.dis``). Random bytes (an RNG state) pass none of these but for a chance of
+    about 1 in 4 million of the first (none of 300,000 random 64-byte strings passed the last)."""
+    if len(data) >= 3 and data[0] == 0x80 and 2 <= data[1] <= 5 and data[-1:] == b".":
+        return True
     head = bytes(data[:1024])
     if head[:4] == b"PK\x03\x04" and b"data.pkl" in head:
         return True
+    return _imports_something(bytes(data))
+
+
+def _imports_something(data: bytes) -> bool:
+    with warnings.catch_warnings():  # pickletools decodes STRING arguments, warning on odd escapes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _parses_to_an_import(data)
+
+
+def _parses_to_an_import(data: bytes) -> bool:
+    imports, before = False, ("", "")  # the two opcodes before this one
     try:
-        return any(op.name == "STOP" for op, _, _ in pickletools.genops(io.BytesIO(bytes(data))))
+        for op, arg, pos in pickletools.genops(io.BytesIO(data)):
+            if op.name in ("GLOBAL", "INST"):
+                imports = imports or (isinstance(arg, str) and _IMPORT.fullmatch(arg) is not None)
+            elif op.name == "STACK_GLOBAL":
+                imports = imports or all(b in _STRINGS for b in before)
+            before = (before[1], op.name)
+            if op.name == "STOP":
+                if imports:
+                    pickletools.dis(data[:pos + 1], out=io.StringIO())  # raises when the stack does not add up
+                return imports
     except Exception:  # noqa: BLE001 - any opcode stream that does not parse to STOP is no pickle
         return False
+    return False
 
 
 def holds_pickle(value: Any, _depth: int = 0) -> bool:

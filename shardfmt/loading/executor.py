@@ -344,9 +344,7 @@ class Executor:
     def _around_cache(self, read: PhysicalRead) -> bool:
         """Whether ``read`` may go around the page cache: large, on local storage, landing
         straight in targets only this process reads, with few bytes of gap between them."""
-        if self.storage.remote or read.byte_range.length < DIRECT_MIN_READ:
-            return False
-        if any(not self.targets[it.target].sole for it in read.items):
+        if self.storage.remote or read.byte_range.length < DIRECT_MIN_READ or not self._sole(read):
             return False
         used = sum(it.src_end - it.src_start for it in read.items)
         return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
@@ -395,8 +393,12 @@ class Executor:
                 self.cached.append((read.file, read.byte_range.start, read.byte_range.end))
 
     def _sole(self, read: PhysicalRead) -> bool:
-        """Whether no other process reads what ``read`` feeds."""
-        return all(self.targets[it.target].sole for it in read.items)
+        """Whether no other process reads the bytes of ``read``: every target it feeds is this
+        process's alone, and every copy takes each byte of its extent. A strided copy (a column
+        slice of row-major rows) skips bytes the other ranks' slices hold, so they read the same
+        extent: through the page cache, the device serves it once."""
+        return all(self.targets[it.target].sole and it.numel * it.itemsize == it.src_end - it.src_start
+                   for it in read.items)
 
     def _tallied(self, fills: Sequence[CopyItem | None]) -> Landed | None:
         """What adds each part of a direct read to the tally as it lands, while it is in cache:

@@ -13,6 +13,7 @@ given up on the way leaves optimizers, schedulers, samplers and RNG as they were
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -157,7 +158,7 @@ def materialize(state: Mapping[str, Any]) -> None:
 
 
 def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Manifest, *,
-          fresh_optims: set[str], dirty: bool = False, world: int, grads: bool = False) -> Any:
+          fresh_optims: set[str], dirty: bool = False, world: int, rank: int, grads: bool = False) -> Any:
     """Load the loaded ``sd`` into ``state``'s entries and the RNG; warn about entries on one side
     only; return the metadata the checkpoint's save was given.
 
@@ -169,25 +170,25 @@ def apply(state: Mapping[str, Any], sd: Mapping[str, Any], report, manifest: Man
     meta = meta if isinstance(meta, dict) else {}
     saved_entries = set(meta.get("entries", []))
     same_world = manifest.topology.world_size == world
-    _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []),
+    _load_entries(state, sd, manifest.step, fresh_optims=fresh_optims, unstepped=meta.get("unstepped", []), rank=rank,
                   same_world=same_world, saved_world=manifest.topology.world_size)
     if grads:
         apply_grads(state, sd.get(GRADS_KEY, {}))
     elif holds_grads(report.unexpected):
-        job_warning(f"step {manifest.step} was saved with the gradients of a step not yet applied "
+        job_warning(rank=rank, message=f"step {manifest.step} was saved with the gradients of a step not yet applied "
                       "(save_grads=True); restored without them (Checkpointer(save_grads=True) restores them), "
                       "the resumed run redoes that step from its first micro-step", stacklevel=4)
     rng_state = sd[RNG_KEY].value
     if rng_state is not None:
         rng.restore(rng_state)
     elif manifest.topology.world_size != world:
-        job_warning(f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
+        job_warning(rank=rank, message=f"RNG states were saved by {manifest.topology.world_size} ranks; this job has "
                       f"{world}: RNG streams start fresh", stacklevel=4)
-    _warn_unmatched(state, saved_entries, report, dirty=dirty)
+    _warn_unmatched(state, saved_entries, report, dirty=dirty, rank=rank)
     return meta.get("user")
 
 
-def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *, fresh_optims: set[str],
+def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *, fresh_optims: set[str], rank: int,
                   unstepped: list, same_world: bool = True, saved_world: int = 1) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -201,7 +202,7 @@ def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *,
                 obj.state.clear()  # saved before its first step by a version that wrote made-up state
         elif is_per_rank_state(obj) and not same_world:
             job_warning(
-                f"state entry {name!r} ({type(obj).__name__}): its state was saved by each of {saved_world} ranks and "
+                rank=rank, message=f"state entry {name!r} ({type(obj).__name__}): its state was saved by each of {saved_world} ranks and "
                 "cannot be resharded to this job's world size: it starts from its initial state, so samples may "
                 "repeat or be skipped this epoch. For a data cursor that reshards, sample with "
                 "shardfmt.ResumableSampler; or restore this entry yourself from the step restore returns",
@@ -218,18 +219,21 @@ def _load_entries(state: Mapping[str, Any], sd: Mapping[str, Any], step: int, *,
                     f"{', '.join(done) or 'nothing'}; the state is partly restored)") from e
 
 
-def _warn_unmatched(state: Mapping[str, Any], saved_entries: set[str], report, *, dirty: bool) -> None:
+def _warn_unmatched(state: Mapping[str, Any], saved_entries: set[str], report, *, dirty: bool, rank: int) -> None:
+    """Entries on one side only: the same on every rank, said once (rank 0); what differs by rank
+    (a state a failed attempt wrote into; keys this rank did not request) by each rank."""
     not_restored = sorted(saved_entries - set(state))
     if not_restored:
-        job_warning(f"saved but not restored: {', '.join(not_restored)}", stacklevel=5)
+        job_warning(rank=rank, message=f"saved but not restored: {', '.join(not_restored)}", stacklevel=5)
     not_saved = sorted(set(state) - saved_entries) if saved_entries else []
     if not_saved and dirty:
-        job_warning(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
+        warnings.warn(f"not in the checkpoint: {', '.join(not_saved)}; a failed attempt to load a newer "
                       "checkpoint wrote into the state, so they may hold its data: re-initialize them",
                       stacklevel=5)
     elif not_saved:
-        job_warning(f"not in the checkpoint, left as they are: {', '.join(not_saved)}", stacklevel=5)
+        job_warning(rank=rank, message=f"not in the checkpoint, left as they are: {', '.join(not_saved)}",
+                    stacklevel=5)
     unread = [k for k in report.unexpected if k.split(".", 1)[0] in state and not k.startswith(RNG_KEY)]
     if unread:
-        job_warning(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
+        warnings.warn(f"{len(unread)} saved entries were not requested, e.g. {', '.join(unread[:5])}",
                       stacklevel=5)

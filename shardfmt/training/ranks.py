@@ -63,10 +63,8 @@ class Ranks:
         return [orjson.loads(b) for b in all_gather_bytes(orjson.dumps(obj), g)]
 
 
-def job_warning(message: str, *, stacklevel: int = 2) -> None:
+def job_warning(message: str, *, rank: int, stacklevel: int = 2) -> None:
     """Warn once for the whole job about what every rank finds alike (a changed world size, a
-    checkpoint all ranks fall back from): on rank 0 of the default group, or in a process alone."""
-    d = torch.distributed
-    if d.is_available() and d.is_initialized() and d.get_rank() != 0:
-        return
-    warnings.warn(message, stacklevel=stacklevel + 1)
+    checkpoint all ranks fall back from): on ``rank`` 0 of the Checkpointer's ranks (``Ranks.rank``)."""
+    if rank == 0:
+        warnings.warn(message, stacklevel=stacklevel + 1)

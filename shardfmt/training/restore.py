@@ -242,11 +242,11 @@ def restore_first_valid(state: Mapping[str, Any], choice: dict, *, root: Tier, a
         with clock("read"):  # every rank has read what it shares with the others: out of the page cache
             release_cached(attempt.report.source, attempt.report.cached, storage_options=tier.storage_options)
         if tier.name == "archive":
-            job_warning(f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
+            job_warning(rank=ranks.rank(), message=f"{root.storage.url(root.root)}: no usable copy of step {step} there; restored it from "
                           f"the archive {url}", stacklevel=3)
         with clock("apply"):
             user = apply(state, attempt.sd, attempt.report, attempt.manifest, fresh_optims=attempt.fresh_optims,
-                         dirty=dirty, world=ranks.world(), grads=grads)
+                         dirty=dirty, world=ranks.world(), rank=ranks.rank(), grads=grads)
         return Restored(step=step, metadata=user, tier=tier.name)
     if choice["any"] and any(ranks.all_gather(dirty)):
         raise CheckpointNotFoundError(
@@ -344,13 +344,13 @@ def _raise_unless_the_checkpoints_fault(url: str, failing: list[tuple[int, dict]
 
 
 def _give_up(tier: Tier, path: str, failing: list[tuple[int, dict]], ranks: Ranks) -> None:
-    """Warn once for the job; rank 0 quarantines the root's copy before any rank moves on."""
+    """Warn (the root: once for the job); rank 0 quarantines the root's copy before any rank moves on."""
     why = "; ".join(f"rank {r}: {e['error']}" for r, e in failing[:4])
-    if tier.name == "local":
-        job_warning(f"the node-local copy {tier.storage.url(path)} cannot be restored here, trying the next copy "
+    if tier.name == "local":  # each node names its own disk: every rank says it
+        warnings.warn(f"the node-local copy {tier.storage.url(path)} cannot be restored here, trying the next copy "
                       f"(nothing was quarantined): {why}", stacklevel=4)
     else:
-        job_warning(f"checkpoint {tier.storage.url(path)} is unusable, falling back to the previous one: "
+        job_warning(rank=ranks.rank(), message=f"checkpoint {tier.storage.url(path)} is unusable, falling back to the previous one: "
                       f"{why}", stacklevel=4)
     if ranks.rank() == 0 and tier.name == "root":
         quarantine(tier.storage, path, why)

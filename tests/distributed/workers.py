@@ -118,13 +118,16 @@ def load2(rank, world, args):
 
 
 def _direct_reads_by_placement(mesh, out_dir: str) -> dict:
-    """Large reads of bytes only this rank needs (Shard) go around the page cache (O_DIRECT);
-    bytes both ranks read (Replicate) stay in it."""
+    """Large reads of bytes only this rank needs (rows: Shard(0)) go around the page cache
+    (O_DIRECT) and leave nothing cached; bytes both ranks read stay in the cache for the other
+    (``LoadReport.cached``): Replicate, and columns (Shard(1)), whose rows each rank reads whole
+    to take its half (dropping them as read made the other rank read them from the disk again)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     full = torch.arange(2 << 20, dtype=torch.float32).reshape(1024, 2048)  # 8 MiB: 4 MiB a rank
     path = os.path.join(out_dir, "direct_reads")
-    shardfmt.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, path)
+    # 4 MiB hash chunks: a column slice's reads are then as large as a row slice's (direct-sized)
+    shardfmt.save({"w": distribute_tensor(full, mesh, [Shard(0)])}, path, chunk_size=4 << 20)
     real, opened = os.open, []
 
     def spy(p, flags, *a, **k):
@@ -135,13 +138,16 @@ def _direct_reads_by_placement(mesh, out_dir: str) -> dict:
     out = {}
     os.open = spy
     try:
-        for label, placement in (("shard", Shard(0)), ("replicate", Replicate())):
+        for label, placement in (("shard", Shard(0)), ("replicate", Replicate()), ("columns", Shard(1))):
             opened.clear()
             target = {"w": distribute_tensor(torch.zeros_like(full), mesh, [placement])}
-            shardfmt.load(target, path)
+            report = shardfmt.load(target, path)
             bad = [] if torch.equal(target["w"].full_tensor(), full) else ["w"]
             if hasattr(os, "O_DIRECT") and bool(opened) != (label == "shard"):
                 bad.append(f"O_DIRECT opens {len(opened)}")
+            if bool(report.cached) == (label == "shard"):  # what both ranks read stays cached for the other
+                bad.append(f"left cached: {report.cached}")
+            shardfmt.api.release_cached(report.source, report.cached)
             out[f"direct_reads_{label}"] = (bad, 1)
     finally:
         os.open = real
