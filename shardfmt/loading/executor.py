@@ -346,8 +346,7 @@ class Executor:
         straight in targets only this process reads, with few bytes of gap between them."""
         if self.storage.remote or read.byte_range.length < DIRECT_MIN_READ or not self._sole(read):
             return False
-        used = sum(it.src_end - it.src_start for it in read.items)
-        return used * 8 >= read.byte_range.length * 7 and self._direct_ok(read)
+        return self._direct_ok(read)
 
     def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
              ahead: _ReadAhead | None = None, k: int = 0, *, around: bool = False) -> None:
@@ -394,11 +393,12 @@ class Executor:
 
     def _sole(self, read: PhysicalRead) -> bool:
         """Whether no other process reads the bytes of ``read``: every target it feeds is this
-        process's alone, and every copy takes each byte of its extent. A strided copy (a column
-        slice of row-major rows) skips bytes the other ranks' slices hold, so they read the same
-        extent: through the page cache, the device serves it once."""
-        return all(self.targets[it.target].sole and it.numel * it.itemsize == it.src_end - it.src_start
-                   for it in read.items)
+        process's alone, and its copies take at least 7/8 of its bytes. A read that skips more
+        (a column slice of row-major rows: strided copies, or half-rows at a chunk's edges)
+        spans bytes the other ranks' slices hold, so they read the same range: through the page
+        cache, kept for them, the device serves it once."""
+        used = sum(it.numel * it.itemsize for it in read.items)
+        return used * 8 >= read.byte_range.length * 7 and all(self.targets[it.target].sole for it in read.items)
 
     def _tallied(self, fills: Sequence[CopyItem | None]) -> Landed | None:
         """What adds each part of a direct read to the tally as it lands, while it is in cache:
