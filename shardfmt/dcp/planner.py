@@ -14,14 +14,13 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from shardfmt.dcp.names import Path, name_of
 from shardfmt.errors import StateDictError
-from shardfmt.layout.state import MAX_FQN
+from shardfmt.layout.state import MAX_FQN, holds_tensor
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -59,22 +58,13 @@ class SavePlanner(DefaultSavePlanner):
         return plans, dataclasses.replace(metadata, planner_data=paths)
 
 
-def _holds_tensor(value: Any, depth: int = 0) -> bool:
-    if depth > 200:
-        raise StateDictError("state dict is nested more than 200 levels deep")
-    if isinstance(value, torch.Tensor):
-        return True
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-    return any(_holds_tensor(v, depth + 1) for v in items)
-
-
 def _leaves(state: dict) -> Iterator[tuple[Path, Any]]:
     """(path, leaf) of shardfmt's flattening: containers walked only while they hold a tensor; a
     path records a mapping's key as ``str`` and a list's or tuple's index as ``int``, as DCP does."""
     pending: list[tuple[Path, Any]] = [((str(k),), v) for k, v in reversed(list(state.items()))]
     while pending:
         path, value = pending.pop()
-        if isinstance(value, (dict, list, tuple)) and _holds_tensor(value):
+        if isinstance(value, (dict, list, tuple)) and holds_tensor(value):
             items = [(str(k), v) for k, v in value.items()] if isinstance(value, dict) else list(enumerate(value))
             pending.extend((path + (k,), v) for k, v in reversed(items))
         else:

@@ -135,7 +135,7 @@ class Writer(StorageWriter):
         self.path = None if path is None else os.fspath(path)
         self.step = step
         self.metadata = metadata
-        self.mesh = None if mesh is None else _mesh(mesh)
+        self.mesh = None if mesh is None else _mesh(mesh)  # a Mesh
         self.allow_pickled_bytes = allow_pickled_bytes
         self.manifest: Manifest | None = None  # the coordinator's, once a save committed
         self._writer: CheckpointWriter | None = None
@@ -163,8 +163,8 @@ class Writer(StorageWriter):
         if not all(p.usable for p in plans):
             raise StateDictError(f"{self.path}: DCP's cached save plans (enable_plan_caching=True) would send the "
                                  "ranks the previous save's place: save without plan caching")
-        if self.mesh is not None and _size(self.mesh) != len(plans):
-            raise StateDictError(f"mesh {dict(self.mesh)} does not multiply to the world size {len(plans)}")
+        if self.mesh is not None and self.mesh.world_size != len(plans):
+            raise StateDictError(f"mesh {dict(self.mesh.dims)} does not multiply to the world size {len(plans)}")
         storage, where = get_storage(self._where(), self.options.storage_options)
         chunk = self.options.chunk_size or auto_chunk_size(
             (_nbytes(it) for p in plans for it in p.items if it.type != WriteItemType.BYTE_IO), format_version=2)
@@ -202,7 +202,8 @@ class Writer(StorageWriter):
             _record(writer, metadata, results, allow_pickled_bytes=self.allow_pickled_bytes)
             world = len(results)
             self.manifest = writer.commit(step=self.step, metadata=self.metadata,
-                                          topology=Topology(world_size=world, mesh=self.mesh or (("world", world),)))
+                                          topology=Topology(world_size=world, mesh=self.mesh.dims if self.mesh
+                                                            else (("world", world),)))
         except BaseException:
             writer.abort()
             raise
@@ -273,16 +274,19 @@ def _record(writer: CheckpointWriter, metadata: Metadata, results: list[list[Wri
     shardfmt's names, and every name's path (``dcp_paths``)."""
     listed: dict[str, list[ListedShard]] = {}
     values: dict[str, Any] = {}
+    stored: dict[int, _Stored] = {}  # each rank's index and file: the same in every result of the rank
     for rank_results in results:
         for r in rank_results:
             fqn, data = r.index.fqn, r.storage_data
             if isinstance(data, _Value):
                 values[fqn] = jsonvalue.decode(data.encoded, where=fqn)
                 continue
-            writer.add_rank_entry(data.rank, data.entry, files=(data.file,))
+            stored[data.rank] = data
             chunk = _chunk_at(metadata.state_dict_metadata[fqn], r.index)
             listed.setdefault(fqn, []).append(ListedShard(offsets=tuple(chunk.offsets), lengths=tuple(chunk.sizes),
                                                           rank=data.rank))
+    for rank, data in sorted(stored.items()):
+        writer.add_rank_entry(rank, data.entry, files=(data.file,))
     tensors = {f: md for f, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
     for fqn, md in sorted(tensors.items()):
         writer.add_listed(fqn, dtype_code(md.properties.dtype, what=fqn), tuple(md.size), None, listed.get(fqn, []))
@@ -297,18 +301,11 @@ def _record(writer: CheckpointWriter, metadata: Metadata, results: list[list[Wri
                                                       where=PATHS_EXTENSION))
 
 
-def _mesh(mesh: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+def _mesh(mesh: Mapping[str, int]) -> Mesh:
     try:
-        return Mesh.parse(mesh).dims
+        return Mesh.parse(mesh)
     except TopologyError as e:
         raise StateDictError(f"mesh=: {e}") from None
-
-
-def _size(mesh: tuple[tuple[str, int], ...]) -> int:
-    n = 1
-    for _, s in mesh:
-        n *= s
-    return n
 
 
 def _nbytes(item: WriteItem) -> int:

@@ -235,7 +235,8 @@ def _is_dtensor(v: Any) -> bool:
     return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed")
 
 
-def _holds_tensor(v: Any, depth: int = 0) -> bool:
+def holds_tensor(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` is or holds (within dicts, lists, tuples) a tensor leaf: shardfmt walks it."""
     if depth > 200:
         raise StateDictError("state dict is nested more than 200 levels deep")
     if _is_tensor_like(v):
@@ -243,9 +244,9 @@ def _holds_tensor(v: Any, depth: int = 0) -> bool:
     if isinstance(v, (PerRank, IfSaved)):
         return True  # a leaf or subtree of its own: the containers above it are walked
     if isinstance(v, dict):
-        return any(_holds_tensor(x, depth + 1) for x in v.values())
+        return any(holds_tensor(x, depth + 1) for x in v.values())
     if isinstance(v, (list, tuple)):
-        return any(_holds_tensor(x, depth + 1) for x in v)
+        return any(holds_tensor(x, depth + 1) for x in v)
     return False
 
 
@@ -273,7 +274,7 @@ def flatten(state_dict: Any) -> list[Leaf]:
                 raise StateDictError(f"{fqn}: IfSaved must be a dict's value, outside any other IfSaved")
             within = Leaf(fqn, value, container, key)
             container, key, value = value, "value", value.value
-        if isinstance(value, (dict, list, tuple)) and _holds_tensor(value):
+        if isinstance(value, (dict, list, tuple)) and holds_tensor(value):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for k, v in items:
                 seg = _segment(k, fqn)
