@@ -10,6 +10,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from tiers import FAST_PROFILE  # noqa: E402  (tests/ is on the path from the line above)
 
+# One I/O mode for the whole suite, in every process it starts (the direct path, the default where
+# the two measure alike): which way a load or save goes must not depend on what this machine's
+# disk measured today. tests/test_io_probe.py measures, with caches of its own.
+os.environ.setdefault("SHARDFMT_DIRECT_IO", "1")
+os.environ.setdefault("SHARDFMT_IO_MODES", "off")
+
 FAST_BUDGET = 5.0  # seconds: a test not marked slow that takes longer is listed in the fast tier
 _TOOK = pytest.StashKey[dict]()  # node id -> seconds, for the tests not marked slow
 

@@ -1,4 +1,4 @@
-"""The ``shardfmt`` command: validate, inspect, ls, gc, demo, drill.
+"""The ``shardfmt`` command: validate, inspect, ls, gc, demo, drill, io-modes.
 
 Exit codes: 0 success (valid), 1 the checkpoint is invalid, 2 unusable arguments, an
 unreachable path, a path that names no checkpoint (a Checkpointer root, a Hugging Face folder)
@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  "each run restores the checkpoints it finds there, so a used one is refused")
     d.add_argument("--plot", metavar="FILE.png", help="draw both loss curves (needs matplotlib)")
     d.set_defaults(func=cmd_demo)
+
+    m = sub.add_parser("io-modes", help="whether large transfers in DIR go direct or buffered, and the "
+                                        "measurements behind it (measured once per device and kept)")
+    m.add_argument("dir", help="a directory on the device (a Checkpointer root)")
+    m.add_argument("--again", action="store_true",
+                   help="measure now (the mode in force changes only if the other is clearly faster)")
+    m.add_argument("--json", action="store_true", help="print JSON instead of text")
+    m.set_defaults(func=deferred("shardfmt.cli.io_modes", "cmd_io_modes"))
 
     r = sub.add_parser("drill", help="run YOUR training command uninterrupted, then killed between checkpoints "
                                      "and restarted, and compare the step lines it prints",

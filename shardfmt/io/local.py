@@ -21,7 +21,6 @@ from shardfmt.io.posix import (
     CLOEXEC,
     OPEN_DIR,
     WRITEBACK_BYTES,
-    direct_io_enabled,
     direct_transfer,
     open_below,
     open_regular,
@@ -32,6 +31,7 @@ from shardfmt.io.posix import (
     sync_file_range,
     walk_tree,
 )
+from shardfmt.io.probe import use_direct
 from shardfmt.io.store import PROCESS_IO, IOStats
 
 
@@ -83,8 +83,9 @@ class _LocalWriter:
     def open_direct(self) -> bool:
         """Open a second handle on the file with ``O_DIRECT``: blocks written through
         ``pwrite_block`` then go from memory to the device, without a copy into the page
-        cache. False (nothing changes) where the OS or the filesystem has no direct I/O."""
-        if not direct_io_enabled():
+        cache. False (nothing changes) where the device writes faster buffered (``io.probe``),
+        or the OS or the filesystem has no direct I/O."""
+        if not use_direct(os.path.dirname(self._path) or ".", "write"):
             return False
         try:
             self._dfd = reopen_direct(self._fd, os.O_WRONLY)
@@ -158,7 +159,7 @@ class _LocalReader:
         self._path = path
         self._stats = stats
         self._dfd: int | None = None  # the O_DIRECT handle, opened at the first block read
-        self._direct = direct_io_enabled()
+        self._direct: bool | None = None  # None: not asked yet (``io.probe``, at the first question)
         self._lock = threading.Lock()
         self._fd, st = open_regular(path, within=within)
         self.size = st.st_size
@@ -185,10 +186,12 @@ class _LocalReader:
 
     @property
     def direct(self) -> bool:
-        """Whether ``read_block`` goes around the page cache (``O_DIRECT``): the handle is
-        opened at the first question, on the file already open (False where the filesystem
-        refuses it)."""
+        """Whether ``read_block`` goes around the page cache (``O_DIRECT``): where the device
+        reads faster so (``io.probe``); the handle is opened at the first question, on the file
+        already open (False where the filesystem refuses it)."""
         with self._lock:
+            if self._direct is None:
+                self._direct = use_direct(os.path.dirname(self._path) or ".", "read")
             if self._dfd is None and self._direct:
                 try:
                     self._dfd = reopen_direct(self._fd, os.O_RDONLY)

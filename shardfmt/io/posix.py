@@ -152,11 +152,6 @@ def sync_file_range(fd: int, offset: int, nbytes: int) -> None:
     fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, don't wait
 
 
-def direct_io_enabled() -> bool:
-    """Whether large transfers may go around the page cache (``SHARDFMT_DIRECT_IO=0`` turns it off)."""
-    return hasattr(os, "O_DIRECT") and os.environ.get("SHARDFMT_DIRECT_IO", "1") != "0"
-
-
 def direct_transfer(call, mv: memoryview, offset: int, want: int, path: str, what: str,
                      count: Callable[..., None]) -> tuple[int, bool]:
     """Move ``want`` bytes between ``mv`` and the file at ``offset`` with ``call(view, offset) -> n``

@@ -1,0 +1,309 @@
+"""Direct or buffered, per device and operation, from what the device measured (issue 22):
+the choice rule (spreads, hysteresis, the default), the cache document as untrusted input,
+the probe on a real directory (nothing left behind, one measurement per device for the
+processes of a node, never a hang), and saves and loads following the choice."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+import shardfmt
+from shardfmt.cli import main as shardfmt_main
+from shardfmt.io import local, modes, probe
+
+FAST = [0.10, 0.10, 0.11, 0.11, 0.12]
+SLOW = [0.20, 0.21, 0.21, 0.22, 0.23]
+NEAR = [0.115, 0.12, 0.12, 0.125, 0.13]  # separates from FAST, by less than the margin beyond it
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """Measure for real, small, with a cache document of this test's own."""
+    monkeypatch.delenv(probe.FORCE_ENV, raising=False)
+    cache = tmp_path / "cache" / "io-modes.json"
+    monkeypatch.setenv(probe.CACHE_ENV, str(cache))
+    monkeypatch.setattr(probe, "PROBE_BYTES", 2 << 20)
+    monkeypatch.setattr(probe, "ROUNDS", 3)
+    probe._forget()
+    yield cache
+    probe._forget()
+
+
+def _device_of(path) -> modes.Device:
+    return probe.describe(str(path), os.stat(path).st_dev)
+
+
+def _kept(device: modes.Device, write: str, read: str, *, age: float = 0.0) -> modes.DeviceModes:
+    return modes.DeviceModes(device, {"write": modes.Choice(write, "given", tuple(FAST), tuple(SLOW)),
+                                      "read": modes.Choice(read, "given", tuple(FAST), tuple(SLOW))},
+                             time.time() - age)
+
+
+# -- the rule ---------------------------------------------------------------------------------
+
+def test_the_faster_way_is_chosen_only_when_the_spreads_separate():
+    assert modes.choose(FAST, SLOW).mode == modes.DIRECT
+    assert modes.choose(SLOW, FAST).mode == modes.BUFFERED
+    overlap = modes.choose(FAST, [0.09, 0.105, 0.11, 0.12, 0.3])
+    assert overlap.mode == modes.DEFAULT == modes.DIRECT and "overlap" in overlap.why
+    assert modes.choose(FAST, [0.09, 0.105, 0.11, 0.12, 0.3], modes.BUFFERED).mode == modes.BUFFERED
+
+
+def test_leaving_the_mode_in_force_takes_more_than_separating():
+    # buffered separates from direct but by less than the margin: the mode in force stays
+    kept = modes.choose(NEAR, FAST, modes.DIRECT)
+    assert kept.mode == modes.DIRECT and "less than" in kept.why
+    assert modes.choose(NEAR, FAST, None).mode == modes.DIRECT  # the default is in force at first
+    assert modes.choose(SLOW, FAST, modes.DIRECT).mode == modes.BUFFERED  # clearly faster: switched
+    assert modes.choose(FAST, NEAR, modes.BUFFERED).mode == modes.BUFFERED
+    assert modes.choose(FAST, SLOW, modes.BUFFERED).mode == modes.DIRECT
+
+
+def test_one_stalled_round_does_not_decide():
+    assert modes.choose([0.1, 0.1, 0.1, 0.1, 5.0], [0.2, 0.2, 0.2, 0.2, 0.2]).mode == modes.DIRECT
+
+
+def test_a_device_refusing_direct_io_is_buffered():
+    c = modes.choose([], SLOW, modes.DIRECT)
+    assert c.mode == modes.BUFFERED and "O_DIRECT" in c.why
+
+
+# -- the cache document: read as untrusted input ------------------------------------------------
+
+def test_the_cache_document_round_trips_and_keeps_the_most_recent_devices():
+    devs = {}
+    for k in range(modes.MAX_DEVICES + 5):
+        m = _kept(modes.Device("h", f"8:{k}", "ext4", f"/m{k}"), modes.DIRECT, modes.BUFFERED, age=1000 - k)
+        devs[m.device.key] = m
+    back = modes.decode(modes.encode(devs))
+    assert len(back) == modes.MAX_DEVICES
+    assert "h|8:0|ext4|/m0" not in back  # the oldest went
+    assert back["h|8:68|ext4|/m68"].mode("read") == modes.BUFFERED
+    assert back["h|8:68|ext4|/m68"].choices["write"].direct_s == tuple(FAST)
+    assert modes.encode(back) == modes.encode(modes.decode(modes.encode(back)))  # deterministic
+
+
+@pytest.mark.parametrize("text", [
+    "", "not json", "[]", "null", '{"kind": "other", "version": 1, "devices": []}',
+    '{"kind": "shardfmt-io-modes", "version": 99, "devices": []}',
+    '{"kind": "shardfmt-io-modes", "version": 1, "devices": {"a": 1}}',
+    "[" * 100000,
+])
+def test_a_cache_document_that_is_not_one_is_ignored(text):
+    assert modes.decode(text) == {}
+
+
+@pytest.mark.parametrize("change", [
+    {"mode": "fast"}, {"mode": None}, {"direct_s": [float("nan")]}, {"direct_s": [-1.0]},
+    {"direct_s": [True]}, {"buffered_s": "0.1"}, {"buffered_s": [0.1] * 65}, {"why": 3},
+])
+def test_an_entry_that_does_not_hold_is_left_out(change):
+    good = _kept(modes.Device("h", "8:1", "ext4", "/"), modes.DIRECT, modes.DIRECT)
+    doc = json.loads(modes.encode({good.device.key: good}))
+    other = json.loads(json.dumps(doc["devices"][0]))
+    other["device"] = "8:2"
+    other["choices"]["read"].update(change)
+    doc["devices"].append(other)
+    back = modes.decode(json.dumps(doc, allow_nan=True))
+    assert list(back) == [good.device.key]
+
+
+@pytest.mark.parametrize("field, value", [("probed_at", "yesterday"), ("probed_at", -5), ("probes", 0),
+                                          ("probes", True), ("host", 7), ("choices", [])])
+def test_an_entry_with_a_bad_field_is_left_out(field, value):
+    good = _kept(modes.Device("h", "8:1", "ext4", "/"), modes.DIRECT, modes.DIRECT)
+    doc = json.loads(modes.encode({good.device.key: good}))
+    doc["devices"][0][field] = value
+    assert modes.decode(json.dumps(doc)) == {}
+
+
+# -- the probe on a real directory ----------------------------------------------------------------
+
+def test_a_probe_measures_both_ways_keeps_the_choice_and_leaves_nothing_behind(tmp_path, measured):
+    work = tmp_path / "ckpt"
+    work.mkdir()
+    found = probe.device_modes(str(work))
+    assert found.probes == 1 and found.device.fstype != "?"
+    for op in modes.OPERATIONS:
+        c = found.choices[op]
+        assert c.mode in modes.MODES and len(c.buffered_s) == probe.ROUNDS
+        assert len(c.direct_s) in (0, probe.ROUNDS)
+    assert os.listdir(work) == []  # the probe's files had no name there
+    kept = modes.decode(measured.read_text())
+    assert kept[found.device.key] == found
+    # another process of the node (this one, forgotten) reads it and measures nothing
+    probe._forget()
+    real = probe.measure
+    probe.measure = lambda *a, **k: pytest.fail("measured again")
+    try:
+        assert probe.device_modes(str(work)) == found
+    finally:
+        probe.measure = real
+
+
+def test_a_stale_choice_is_measured_again_against_the_mode_in_force(tmp_path, measured, monkeypatch):
+    device = _device_of(tmp_path)
+    probe._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED, age=modes.REPROBE_AFTER_S + 1))
+    seen = []
+    monkeypatch.setattr(probe.modes, "choose", lambda d, b, previous: (seen.append(previous),
+                                                                       modes.Choice(previous, "kept"))[1])
+    found = probe.device_modes(str(tmp_path))
+    assert seen == [modes.BUFFERED, modes.BUFFERED] and found.probes == 2
+    assert modes.decode(measured.read_text())[device.key].probes == 2
+
+
+def test_a_corrupt_cache_document_is_measured_again_and_replaced(tmp_path, measured):
+    measured.parent.mkdir(parents=True)
+    measured.write_bytes(b"\x00garbage{" * 1000)
+    found = probe.device_modes(str(tmp_path))
+    assert found.probes == 1
+    assert modes.decode(measured.read_text())[found.device.key] == found
+
+
+def test_an_oversized_cache_document_is_not_read(tmp_path, measured):
+    device = _device_of(tmp_path)
+    probe._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED))
+    with open(measured, "a") as f:
+        f.write(" " * modes.MAX_DOCUMENT)
+    assert probe.device_modes(str(tmp_path)).probes == 1  # measured, not the document's buffered
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_choice_in_the_process(tmp_path, monkeypatch, measured):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv(probe.CACHE_ENV, str(blocker / "io-modes.json"))  # under a file: no directory
+    found = probe.device_modes(str(tmp_path))
+    assert found.probes == 1 and probe.device_modes(str(tmp_path)) is found
+
+
+def test_a_directory_that_cannot_hold_a_probe_file_gets_the_default(tmp_path, measured, monkeypatch):
+    monkeypatch.setattr(probe, "PROBE_BYTES", 1 << 50)  # more than any disk has free
+    found = probe.device_modes(str(tmp_path))
+    assert found.probes == 0 and found.mode("read") == found.mode("write") == modes.DEFAULT
+    assert "not measured" in found.choices["read"].why
+    assert not measured.exists()  # an unmeasured default is never kept for other processes
+    assert probe.use_direct(str(tmp_path / "missing"), "read") is (modes.DEFAULT == modes.DIRECT)
+
+
+def test_a_filesystem_refusing_direct_io_is_buffered(measured, tmp_path, monkeypatch):
+    import errno
+
+    def refuse(fd, flags):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(probe, "reopen_direct", refuse)
+    found = probe.device_modes(str(tmp_path))
+    assert found.mode("read") == found.mode("write") == modes.BUFFERED and found.probes == 1
+    assert "O_DIRECT" in found.choices["write"].why and found.choices["read"].direct_s == ()
+    assert len(found.choices["read"].buffered_s) == probe.ROUNDS and os.listdir(tmp_path) == ["cache"]
+
+
+def test_direct_transfers_refused_after_the_open_are_buffered(measured, tmp_path, monkeypatch):
+    import errno
+
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if os.get_blocking(fd) and fcntl_flags(fd) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(probe.os, "pwrite", pwrite)
+    found = probe.device_modes(str(tmp_path))
+    assert found.mode("write") == modes.BUFFERED and found.choices["write"].direct_s == ()
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _probe_in_child(directory: str, cache: str, out) -> None:
+    os.environ.pop(probe.FORCE_ENV, None)
+    os.environ[probe.CACHE_ENV] = cache
+    probe.PROBE_BYTES, probe.ROUNDS = 8 << 20, 3
+    found = probe.device_modes(directory)
+    out.put((found.probed_at, found.probes))
+
+
+def test_the_processes_of_a_node_measure_once(tmp_path, measured):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_probe_in_child, args=(str(tmp_path), str(measured), out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert len(set(got)) == 1 and got[0][1] == 1  # one measurement, which all three use
+
+
+def test_a_probe_lock_held_too_long_is_not_waited_for(tmp_path, measured, monkeypatch):
+    import fcntl
+
+    measured.parent.mkdir(parents=True)
+    fd = os.open(str(measured) + ".lock", os.O_RDWR | os.O_CREAT)
+    other = os.open(str(measured) + ".lock", os.O_RDWR)  # another open file: flock conflicts as between processes
+    fcntl.flock(other, fcntl.LOCK_EX)
+    monkeypatch.setattr(probe, "LOCK_WAIT_S", 0.3)
+    try:
+        t = time.monotonic()
+        found = probe.device_modes(str(tmp_path))
+        assert time.monotonic() - t < 5
+        assert found.probes == 0 and found.mode("read") == modes.DEFAULT and "held" in found.choices["read"].why
+    finally:
+        os.close(other)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("value, mode", [("1", modes.DIRECT), ("on", modes.DIRECT), ("0", modes.BUFFERED),
+                                         ("false", modes.BUFFERED), ("auto", None), ("", None)])
+def test_the_environment_forces_a_mode_without_measuring(monkeypatch, value, mode):
+    monkeypatch.setenv(probe.FORCE_ENV, value)
+    assert probe.forced() == mode
+
+
+def test_a_misspelt_forced_mode_is_warned_about_and_measured(monkeypatch):
+    monkeypatch.setenv(probe.FORCE_ENV, "dirct")
+    probe._warned.discard("dirct")
+    with pytest.warns(UserWarning, match="SHARDFMT_DIRECT_IO='dirct'"):
+        assert probe.forced() is None
+
+
+# -- saves and loads follow the choice -----------------------------------------------------------
+
+@pytest.mark.parametrize("write, read", [(modes.DIRECT, modes.BUFFERED), (modes.BUFFERED, modes.DIRECT)])
+def test_saves_and_loads_go_the_way_the_device_chose(tmp_path, measured, monkeypatch, write, read):
+    probe._write(str(measured), _kept(_device_of(tmp_path), write, read))
+    transfers = []
+    real = local.direct_transfer
+    monkeypatch.setattr(local, "direct_transfer", lambda call, mv, off, want, path, what, count:
+                        (transfers.append(what), real(call, mv, off, want, path, what, count))[1])
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(6)}  # 4 MiB each
+    path = str(tmp_path / "ckpt")
+    shardfmt.save(state, path, part_size=4 << 20)  # files larger than a part: the direct path's
+    assert ("write" in transfers) is (write == modes.DIRECT)
+    transfers.clear()
+    out = {k: torch.full_like(v, float("nan")) for k, v in state.items()}
+    shardfmt.load(out, path)
+    assert ("read" in transfers) is (read == modes.DIRECT)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_the_command_shows_the_choice_and_measures_again_on_request(tmp_path, measured, capsys):
+    assert shardfmt_main(["io-modes", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "read:" in text and "write:" in text and str(measured) in text
+    assert shardfmt_main(["io-modes", str(tmp_path), "--again", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["probes"] == 2 and set(doc["choices"]) == {"read", "write"}
+    assert shardfmt_main(["io-modes", str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
