@@ -6,9 +6,12 @@
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
   1 MiB chunk (single thread). ``floor_reads`` plans which byte ranges of the saved floor
   files a target layout needs: exact ranges where the needed piece is contiguous in both
-  the file and the target (same layout, a dim-0 reshard, a replicated tensor); otherwise an
-  idealised bound — the same number of bytes read contiguously (a column reshard, whose
-  bytes are strided in a row-major file). Only exact plans are checked against the formula.
+  the file and the target (same layout, a dim-0 reshard, a replicated tensor), widened to
+  whole hash chunks as a verified reader must read them (chunks cut from each piece's start,
+  as format v2 cuts them from each tensor's: the widening is read and hashed, not kept);
+  otherwise an idealised bound — the same number of bytes read contiguously (a column
+  reshard, whose bytes are strided in a row-major file). Only exact plans are checked
+  against the formula.
 - memcpy: the rank's pieces copied into pre-faulted buffers (pinned host buffers with
   non-blocking copies on CUDA: the device-to-host bound).
 - Copy floors for offline tools: read every source data file and write it anew (plain,
@@ -82,13 +85,21 @@ def write_floor(path: str, tensors: Sequence[torch.Tensor], *, hashed: bool, fsy
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FloorRead:
-    """``length`` bytes at ``src_offset`` of ``file`` into bytes ``dst_offset..`` of target ``index``."""
+    """``length`` bytes at ``src_offset`` of ``file`` into bytes ``dst_offset..`` of target ``index``,
+    with the ``before`` bytes ahead of them and the ``after`` bytes past them read and hashed
+    too (the rest of the hash chunks they lie in)."""
 
     file: str
     src_offset: int
     index: int
     dst_offset: int
     length: int
+    before: int = 0
+    after: int = 0
+
+    @property
+    def read_bytes(self) -> int:
+        return self.before + self.length + self.after
 
 
 def _contiguous(outer: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> int | None:
@@ -145,8 +156,12 @@ def _exact_reads(i, t: Box, owners, offs, floor_dir, item) -> list[FloorRead] | 
         d_el = _contiguous(t.lengths, tuple(x - o for x, o in zip(lo, t.offsets)), n)
         if s_el is None or d_el is None:
             return None
-        out.append(FloorRead(file=os.path.join(floor_dir, f"rank_{q}.bin"), src_offset=offs[q][i] + s_el * item,
-                             index=i, dst_offset=d_el * item, length=math.prod(n) * item))
+        start, length = s_el * item, math.prod(n) * item
+        whole = math.prod(b.lengths) * item
+        lo, hi = start - start % CHUNK, min(whole, -(-(start + length) // CHUNK) * CHUNK)
+        out.append(FloorRead(file=os.path.join(floor_dir, f"rank_{q}.bin"), src_offset=offs[q][i] + start,
+                             index=i, dst_offset=d_el * item, length=length, before=start - lo,
+                             after=hi - start - length))
     return out
 
 
@@ -169,14 +184,19 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
                host: Sequence[torch.Tensor] | None = None) -> None:
     """Do ``reads`` into ``targets`` (through ``host`` buffers, then copied, for GPU targets)."""
     fds: dict[str, int] = {}
+    spare = memoryview(bytearray(CHUNK)) if any(r.before or r.after for r in reads) else None
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
         for r in reads:
             fd = fds.get(r.file)
             if fd is None:
                 fd = fds[r.file] = os.open(r.file, os.O_RDONLY)
+            if r.before:
+                read_pieces(fd, spare[:r.before], r.src_offset - r.before, hashed=hashed, path=r.file)
             read_pieces(fd, views[r.index][r.dst_offset:r.dst_offset + r.length], r.src_offset, hashed=hashed,
                         path=r.file)
+            if r.after:
+                read_pieces(fd, spare[:r.after], r.src_offset + r.length, hashed=hashed, path=r.file)
         if host is not None:
             for t, h in zip(targets, host):
                 t.copy_(h, non_blocking=True)

@@ -169,6 +169,29 @@ def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world)
         states.check(targets, f"{layout} on {world}, rank {rank}")
 
 
+def test_floor_reads_are_widened_to_whole_hash_chunks_as_a_verified_reader_reads(tmp_path):
+    specs = states.transformer(1, replicated=True)
+    pieces = [states.build(specs, "rows", 2, q, device="cpu", values=True) for q in range(2)]
+    for q, built in enumerate(pieces):
+        floors.write_floor(str(tmp_path / f"rank_{q}.bin"), built.locals, hashed=True, fsync=False)
+    widened = 0
+    for rank in range(4):
+        targets = states.build(specs, "rows", 4, rank, device="cpu", values=False)
+        reads, exact = floors.floor_reads(specs, targets.boxes, str(tmp_path), src_world=2, rank=rank)
+        assert exact
+        for r in reads:
+            q = int(r.file.rsplit("_", 1)[1].split(".")[0])
+            sizes = [t.numel() * t.element_size() for t in pieces[q].locals]
+            base = sum(sizes[:r.index])  # the piece's start in its floor file: chunks are cut from there
+            lo, hi = r.src_offset - r.before - base, r.src_offset + r.length + r.after - base
+            assert lo % floors.CHUNK == 0 and (hi % floors.CHUNK == 0 or hi == sizes[r.index])
+            assert r.before < floors.CHUNK and r.after < floors.CHUNK and 0 <= lo and hi <= sizes[r.index]
+            widened += r.before + r.after
+        floors.read_floor(reads, targets.locals, hashed=True)
+        states.check(targets, f"rows on 4, rank {rank}")  # the widening never lands in a target
+    assert widened > 0
+
+
 def test_floors_through_host_buffers_as_on_a_gpu(tmp_path):
     """The --device cuda path of the floors (bounce through host buffers), run with CPU tensors."""
     specs = states.transformer(1)

@@ -83,9 +83,9 @@ def test_the_cache_document_round_trips_and_keeps_the_most_recent_devices():
         devs[m.device.key] = m
     back = modes.decode(modes.encode(devs))
     assert len(back) == modes.MAX_DEVICES
-    assert "h|8:0|ext4|/m0" not in back  # the oldest went
-    assert back["h|8:68|ext4|/m68"].mode("read") == modes.BUFFERED
-    assert back["h|8:68|ext4|/m68"].choices["write"].direct_s == tuple(FAST)
+    assert "h|8:0|ext4|/m0|1" not in back  # the oldest went
+    assert back["h|8:68|ext4|/m68|1"].mode("read") == modes.BUFFERED
+    assert back["h|8:68|ext4|/m68|1"].choices["write"].direct_s == tuple(FAST)
     assert modes.encode(back) == modes.encode(modes.decode(modes.encode(back)))  # deterministic
 
 
@@ -115,7 +115,8 @@ def test_an_entry_that_does_not_hold_is_left_out(change):
 
 
 @pytest.mark.parametrize("field, value", [("probed_at", "yesterday"), ("probed_at", -5), ("probes", 0),
-                                          ("probes", True), ("host", 7), ("choices", [])])
+                                          ("probes", True), ("host", 7), ("choices", []), ("processes", 0),
+                                          ("processes", 10 ** 9), ("processes", "8")])
 def test_an_entry_with_a_bad_field_is_left_out(field, value):
     good = _kept(modes.Device("h", "8:1", "ext4", "/"), modes.DIRECT, modes.DIRECT)
     doc = json.loads(modes.encode({good.device.key: good}))
@@ -172,6 +173,19 @@ def test_an_oversized_cache_document_is_not_read(tmp_path, measured):
     with open(measured, "a") as f:
         f.write(" " * modes.MAX_DOCUMENT)
     assert probe.device_modes(str(tmp_path)).probes == 1  # measured, not the document's buffered
+
+
+def test_the_choice_is_measured_and_kept_for_the_processes_of_a_node_that_move_bytes_at_once(
+        tmp_path, measured, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = probe.device_modes(str(tmp_path))
+    probe._forget()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    four = probe.device_modes(str(tmp_path))
+    assert (one.device.processes, four.device.processes) == (1, 4) and four.probes == 1
+    assert set(modes.decode(measured.read_text())) == {one.device.key, four.device.key}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")
+    assert probe.local_processes() == 1
 
 
 def test_a_cache_that_cannot_be_written_keeps_the_choice_in_the_process(tmp_path, monkeypatch, measured):

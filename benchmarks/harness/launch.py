@@ -27,6 +27,8 @@ def launch(job: dict, world: int, out_dir: str, *, timeout: float, env: dict | N
     checkout first on PYTHONPATH (rank 0's stdout is ours: progress; stderr goes to
     ``out_dir/rank_<r>.stderr``); 2) each writes ``out_dir/rank_<r>.json``; 3) past
     ``timeout`` seconds the survivors are killed. Raises RuntimeError naming every failed rank.
+    Each rank gets ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` as torchrun sets them (one node): the
+    library sizes its writer threads and its I/O probe (``shardfmt.io.probe``) from them.
     """
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "job.json")
@@ -38,7 +40,7 @@ def launch(job: dict, world: int, out_dir: str, *, timeout: float, env: dict | N
     for r in range(world):
         err = open(os.path.join(out_dir, f"rank_{r}.stderr"), "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "benchmarks.harness.worker", path, str(r)], cwd=ROOT,
-                                       env=penv, stdout=None if r == 0 else subprocess.DEVNULL, stderr=err,
+                                       env=dict(penv, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world)), stdout=None if r == 0 else subprocess.DEVNULL, stderr=err,
                                        start_new_session=True), err))
     deadline = time.monotonic() + timeout
     for p, _ in procs:

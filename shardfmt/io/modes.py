@@ -34,6 +34,7 @@ DEFAULT = DIRECT
 MARGIN = 0.10  # leaving the mode in force: the other way faster by 10% beyond both spreads
 REPROBE_AFTER_S = 30 * 86400.0  # a choice this old is measured again (and kept unless beaten)
 MAX_DEVICES = 64  # entries a cache document keeps (the most recently probed)
+MAX_PROCESSES = 1 << 16  # processes of one node (a cache entry naming more is not one)
 MAX_DOCUMENT = 1 << 20  # bytes: a larger cache document is not read
 KIND = "shardfmt-io-modes"
 VERSION = 1
@@ -42,16 +43,19 @@ VERSION = 1
 @dataclass(frozen=True)
 class Device:
     """Where a directory's bytes go: this host's block device (``major:minor``), its
-    filesystem type and mount point. ``key`` names it in a cache document."""
+    filesystem type and mount point; and how many processes of the node move bytes at once
+    (a job's ranks there: which way is faster with 8 of them can differ from 1). ``key``
+    names it in a cache document."""
 
     host: str
     device: str
     fstype: str
     mount: str
+    processes: int = 1
 
     @property
     def key(self) -> str:
-        return f"{self.host}|{self.device}|{self.fstype}|{self.mount}"
+        return f"{self.host}|{self.device}|{self.fstype}|{self.mount}|{self.processes}"
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ def encode(devices: Mapping[str, DeviceModes]) -> str:
     kept = sorted(devices.values(), key=lambda m: m.probed_at, reverse=True)[:MAX_DEVICES]
     entries = [{
         "host": m.device.host, "device": m.device.device, "fstype": m.device.fstype, "mount": m.device.mount,
+        "processes": m.device.processes,
         "probed_at": m.probed_at, "probes": m.probes,
         "choices": {op: {"mode": c.mode, "why": c.why, "direct_s": list(c.direct_s), "buffered_s": list(c.buffered_s)}
                     for op, c in sorted(m.choices.items())},
@@ -153,14 +158,17 @@ def _entry(entry) -> DeviceModes | None:
         return None
     names = [entry.get(k) for k in ("host", "device", "fstype", "mount")]
     probed_at, probes, choices = entry.get("probed_at"), entry.get("probes", 1), entry.get("choices")
+    processes = entry.get("processes", 1)
     if not all(isinstance(n, str) for n in names) or not isinstance(choices, dict):
+        return None
+    if not isinstance(processes, int) or isinstance(processes, bool) or not 1 <= processes <= MAX_PROCESSES:
         return None
     if not _number(probed_at) or not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         return None
     parsed = {op: _choice(choices.get(op)) for op in OPERATIONS}
     if any(c is None for c in parsed.values()):
         return None
-    return DeviceModes(Device(*names), parsed, float(probed_at), probes)
+    return DeviceModes(Device(*names, processes), parsed, float(probed_at), probes)
 
 
 def _choice(c) -> Choice | None:

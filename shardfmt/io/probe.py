@@ -113,7 +113,8 @@ def cache_path() -> str | None:
 
 def describe(directory: str, dev: int) -> modes.Device:
     """The device ``dev`` (``directory``'s), named by this host, ``major:minor``, and the
-    filesystem and mount point ``/proc/self/mountinfo`` gives it (``?`` where it has none)."""
+    filesystem and mount point ``/proc/self/mountinfo`` gives it (``?`` where it has none),
+    for the node's ``local_processes()``."""
     number = f"{os.major(dev)}:{os.minor(dev)}"
     where = os.path.realpath(directory)
     best = ("?", "?")
@@ -131,7 +132,17 @@ def describe(directory: str, dev: int) -> modes.Device:
         inside = where == mount or where.startswith(mount.rstrip("/") + "/")
         if inside and (best[1] == "?" or len(mount) > len(best[1])):
             best = (rest[0], mount)
-    return modes.Device(socket.gethostname(), number, *best)
+    return modes.Device(socket.gethostname(), number, *best, local_processes())
+
+
+def local_processes() -> int:
+    """The processes of this node that save and load at once: ``LOCAL_WORLD_SIZE`` (torchrun
+    sets it), else 1."""
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+    return max(1, min(n, modes.MAX_PROCESSES))
 
 
 def _settle(directory: str, device: modes.Device, *, again: bool,
@@ -156,7 +167,7 @@ def measure(directory: str, device: modes.Device, *, previous: modes.DeviceModes
     """Time both ways in ``directory`` and choose, each operation against ``previous``'s mode;
     ``modes.DEFAULT`` unmeasured (``probes=0``) where no probe file can be made there."""
     try:
-        with _Probe(directory) as probe:
+        with _Probe(directory, device.processes) as probe:
             writes, reads = probe.run()
     except (OSError, StorageError) as e:
         return _unmeasured(device, f"could not probe in {directory}: {getattr(e, 'strerror', None) or e}")
@@ -174,16 +185,19 @@ def _unmeasured(device: modes.Device, why: str) -> modes.DeviceModes:
 
 
 class _Probe:
-    """Files with no name in ``directory``, a page-aligned buffer of ``PROBE_BYTES``, and the timed
-    transfers: each way writes a new file (allocating, as a save does), fsyncs it and drops its
-    pages; then each way reads one back from a cold cache, as a load does."""
+    """The timed transfers, as the node's ``processes`` make them at once: each way writes new
+    files (one a process, allocating, as a save does), fsyncs them and drops their pages; then
+    each way reads them back from a cold cache, as a load does. The files have no name in
+    ``directory``; the processes' parts of ``PROBE_BYTES`` lie in one page-aligned buffer."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, processes: int) -> None:
         self._dir = directory
         self._fds: list[int] = []
         st = os.statvfs(directory)
         if st.f_bavail * st.f_frsize < 8 * PROBE_BYTES:
             raise OSError(errno.ENOSPC, f"less than {8 * PROBE_BYTES >> 20} MiB free")
+        self._streams = max(1, min(processes, PROBE_BYTES // (1 << 20)))
+        self._part = PROBE_BYTES // self._streams // DIRECT_ALIGN * DIRECT_ALIGN  # bytes a process moves
         self._buf = Bounce(PROBE_BYTES)
         block = os.urandom(1 << 20)  # incompressible, so a compressing filesystem moves every byte
         for off in range(0, PROBE_BYTES, len(block)):
@@ -210,9 +224,10 @@ class _Probe:
                 times["write", way].append(took)
             for way in ways:
                 times["read", way].append(self._read(files[modes.DIRECT], way == modes.DIRECT))
-            for fd in files.values():
-                os.close(fd)
-                self._fds.remove(fd)
+            for fds in files.values():
+                for fd in fds:
+                    os.close(fd)
+                    self._fds.remove(fd)
             if r < WARMUP:
                 for t in times.values():
                     t.clear()
@@ -229,69 +244,88 @@ class _Probe:
         self._fds.append(fd)
         return fd
 
-    def _write(self, direct: bool) -> tuple[int, float]:
-        fd = self._file()
+    def _write(self, direct: bool) -> tuple[list[int], float]:
+        fds = [self._file() for _ in range(self._streams)]
         t = time.perf_counter()
-        self._transfer(fd, direct, os.O_WRONLY, lambda h, v, o: os.pwrite(h, v, o))
-        os.fsync(fd)
-        _drop(fd)
-        return fd, time.perf_counter() - t
-
-    def _read(self, fd: int, direct: bool) -> float:
-        _drop(fd)
-        t = time.perf_counter()
-        if not direct:
-            _advise(fd, os.POSIX_FADV_WILLNEED)
-        self._transfer(fd, direct, os.O_RDONLY, lambda h, v, o: os.preadv(h, [v], o))
-        if not direct:
+        self._transfer(fds, direct, os.O_WRONLY, lambda h, v, o: os.pwrite(h, v, o))
+        for fd in fds:
+            os.fsync(fd)
             _drop(fd)
+        return fds, time.perf_counter() - t
+
+    def _read(self, fds: list[int], direct: bool) -> float:
+        for fd in fds:
+            _drop(fd)
+        t = time.perf_counter()
+        if not direct:
+            for fd in fds:
+                _advise(fd, os.POSIX_FADV_WILLNEED)
+        self._transfer(fds, direct, os.O_RDONLY, lambda h, v, o: os.preadv(h, [v], o))
+        if not direct:
+            for fd in fds:
+                _drop(fd)
         return time.perf_counter() - t
 
-    def _transfer(self, fd: int, direct: bool, flags: int, call: Callable[[int, memoryview, int], int]) -> None:
-        """``PROBE_BYTES`` in ``MAX_BLOCK`` blocks, on ``MIN_THREADS`` threads (direct) or this
-        machine's cores up to as many (buffered), as the save and load executors use them."""
-        handle = fd
-        if direct and self._direct_ok:
-            try:
-                handle = reopen_direct(fd, flags)
-            except OSError:
-                self._direct_ok = False
-        direct = direct and self._direct_ok
-        threads = MIN_THREADS if direct else max(1, min(MIN_THREADS, os.cpu_count() or 1))
-        size = min(MAX_BLOCK, PROBE_BYTES)
-        blocks = list(range(0, PROBE_BYTES, size))
-        errors: list[OSError] = []
+    def _threads(self, direct: bool, write: bool) -> int:
+        """A process's threads, as the save (``saving.shard_file``) and load (``loading.executor``)
+        executors run them: its share of the cores (writes) or the cores (reads), at most
+        ``MIN_THREADS``; at least ``MIN_THREADS`` for direct transfers, which mostly wait on the device."""
+        cores = os.cpu_count() or 1
+        threads = max(1, min(MIN_THREADS, cores // self._streams if write else cores))
+        return max(threads, MIN_THREADS) if direct else threads
 
-        def work(mine: list[int]) -> None:
+    def _transfer(self, fds: list[int], direct: bool, flags: int, call: Callable[[int, memoryview, int], int]) -> None:
+        """Each file's part of the buffer in blocks of at most ``MAX_BLOCK``, all files at once,
+        each on its process's threads; a save hashes each block before it writes it, a load after
+        it read it."""
+        handles = list(fds)
+        try:
+            if direct and self._direct_ok:
+                try:
+                    handles = [reopen_direct(fd, flags) for fd in fds]
+                except OSError:
+                    self._direct_ok = False
+            direct = direct and self._direct_ok
+            errors = self._run(handles, self._threads(direct, flags != os.O_RDONLY), flags, call)
+        finally:
+            for h in handles:
+                if h not in fds:
+                    os.close(h)
+        if errors and direct and errors[0].errno == errno.EINVAL:
+            self._direct_ok = False  # the filesystem refuses O_DIRECT transfers: buffered then
+            return self._transfer(fds, False, flags, call)
+        if errors:
+            raise errors[0]
+
+    def _run(self, handles: list[int], threads: int, flags: int, call) -> list[OSError]:
+        size = min(MAX_BLOCK, self._part)
+        errors: list[OSError] = []
+        mv = self._buf.mv
+
+        def work(handle: int, base: int, mine: list[int]) -> None:
             try:
                 for off in mine:
                     if flags != os.O_RDONLY:
-                        _hash(self._buf.mv[off:off + size])  # a save hashes what it writes
+                        _hash(mv[base + off:base + off + size])
                     done = 0
                     while done < size:
-                        n = call(handle, self._buf.mv[off + done:off + size], off + done)
+                        n = call(handle, mv[base + off + done:base + off + size], off + done)
                         if n <= 0 or n % DIRECT_ALIGN:
                             raise OSError(errno.EIO, f"short transfer ({n} bytes)")
                         done += n
                     if flags == os.O_RDONLY:
-                        _hash(self._buf.mv[off:off + size])  # ... and a load what it read
+                        _hash(mv[base + off:base + off + size])
             except OSError as e:
                 errors.append(e)
 
-        try:
-            workers = [threading.Thread(target=work, args=(blocks[k::threads],)) for k in range(threads)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-        finally:
-            if handle != fd:
-                os.close(handle)
-        if errors and direct and errors[0].errno == errno.EINVAL:
-            self._direct_ok = False  # the filesystem refuses O_DIRECT transfers: buffered then
-            return self._transfer(fd, False, flags, call)
-        if errors:
-            raise errors[0]
+        blocks = list(range(0, self._part - size + 1, size))
+        workers = [threading.Thread(target=work, args=(h, k * self._part, blocks[j::threads]))
+                   for k, h in enumerate(handles) for j in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return errors
 
 
 def _hash(mv: memoryview) -> None:
