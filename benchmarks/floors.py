@@ -97,10 +97,6 @@ class FloorRead:
     before: int = 0
     after: int = 0
 
-    @property
-    def read_bytes(self) -> int:
-        return self.before + self.length + self.after
-
 
 def _contiguous(outer: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> int | None:
     """Element offset of the sub-box in row-major ``outer`` when it is one contiguous run, else None."""
@@ -158,10 +154,10 @@ def _exact_reads(i, t: Box, owners, offs, floor_dir, item) -> list[FloorRead] | 
             return None
         start, length = s_el * item, math.prod(n) * item
         whole = math.prod(b.lengths) * item
-        lo, hi = start - start % CHUNK, min(whole, -(-(start + length) // CHUNK) * CHUNK)
+        first, end = start - start % CHUNK, min(whole, -(-(start + length) // CHUNK) * CHUNK)
         out.append(FloorRead(file=os.path.join(floor_dir, f"rank_{q}.bin"), src_offset=offs[q][i] + start,
-                             index=i, dst_offset=d_el * item, length=length, before=start - lo,
-                             after=hi - start - length))
+                             index=i, dst_offset=d_el * item, length=length, before=start - first,
+                             after=end - start - length))
     return out
 
 
@@ -184,18 +180,18 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
                host: Sequence[torch.Tensor] | None = None) -> None:
     """Do ``reads`` into ``targets`` (through ``host`` buffers, then copied, for GPU targets)."""
     fds: dict[str, int] = {}
-    spare = memoryview(bytearray(CHUNK)) if any(r.before or r.after for r in reads) else None
+    spare = memoryview(bytearray(CHUNK)) if hashed and any(r.before or r.after for r in reads) else None
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
         for r in reads:
             fd = fds.get(r.file)
             if fd is None:
                 fd = fds[r.file] = os.open(r.file, os.O_RDONLY)
-            if r.before:
+            if r.before and hashed:  # a reader that verifies nothing reads no whole chunks
                 read_pieces(fd, spare[:r.before], r.src_offset - r.before, hashed=hashed, path=r.file)
             read_pieces(fd, views[r.index][r.dst_offset:r.dst_offset + r.length], r.src_offset, hashed=hashed,
                         path=r.file)
-            if r.after:
+            if r.after and hashed:
                 read_pieces(fd, spare[:r.after], r.src_offset + r.length, hashed=hashed, path=r.file)
         if host is not None:
             for t, h in zip(targets, host):

@@ -5,9 +5,13 @@ processes of a node, never a hang), and saves and loads following the choice."""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
 import json
 import multiprocessing
 import os
+import re
 import time
 
 import pytest
@@ -15,7 +19,7 @@ import torch
 
 import shardfmt
 from shardfmt.cli import main as shardfmt_main
-from shardfmt.io import local, modes, probe
+from shardfmt.io import aligned, choice, local, modes, probe
 
 FAST = [0.10, 0.10, 0.11, 0.11, 0.12]
 SLOW = [0.20, 0.21, 0.21, 0.22, 0.23]
@@ -25,18 +29,21 @@ NEAR = [0.115, 0.12, 0.12, 0.125, 0.13]  # separates from FAST, by less than the
 @pytest.fixture
 def measured(tmp_path, monkeypatch):
     """Measure for real, small, with a cache document of this test's own."""
-    monkeypatch.delenv(probe.FORCE_ENV, raising=False)
+    monkeypatch.delenv(choice.FORCE_ENV, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cache = tmp_path / "cache" / "io-modes.json"
-    monkeypatch.setenv(probe.CACHE_ENV, str(cache))
+    monkeypatch.setenv(choice.CACHE_ENV, str(cache))
+    monkeypatch.setattr(choice, "lock_path", lambda: str(tmp_path / "probe.lock"))
     monkeypatch.setattr(probe, "PROBE_BYTES", 2 << 20)
+    monkeypatch.setattr(probe, "MIN_PART", 1 << 20)
     monkeypatch.setattr(probe, "ROUNDS", 3)
-    probe._forget()
+    choice.forget()
     yield cache
-    probe._forget()
+    choice.forget()
 
 
-def _device_of(path) -> modes.Device:
-    return probe.describe(str(path), os.stat(path).st_dev)
+def _device_of(path, processes: int = 1) -> modes.Device:
+    return choice.describe(str(path), os.stat(path).st_dev, processes)
 
 
 def _kept(device: modes.Device, write: str, read: str, *, age: float = 0.0) -> modes.DeviceModes:
@@ -126,11 +133,16 @@ def test_an_entry_with_a_bad_field_is_left_out(field, value):
 
 # -- the probe on a real directory ----------------------------------------------------------------
 
-def test_a_probe_measures_both_ways_keeps_the_choice_and_leaves_nothing_behind(tmp_path, measured):
-    work = tmp_path / "ckpt"
-    work.mkdir()
-    found = probe.device_modes(str(work))
-    assert found.probes == 1 and found.device.fstype != "?"
+@pytest.fixture
+def work(tmp_path):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    return d
+
+
+def test_a_probe_measures_both_ways_keeps_the_choice_and_leaves_nothing_behind(work, measured, monkeypatch):
+    found = choice.device_modes(str(work))
+    assert found.probes == 1
     for op in modes.OPERATIONS:
         c = found.choices[op]
         assert c.mode in modes.MODES and len(c.buffered_s) == probe.ROUNDS
@@ -139,118 +151,188 @@ def test_a_probe_measures_both_ways_keeps_the_choice_and_leaves_nothing_behind(t
     kept = modes.decode(measured.read_text())
     assert kept[found.device.key] == found
     # another process of the node (this one, forgotten) reads it and measures nothing
-    probe._forget()
-    real = probe.measure
-    probe.measure = lambda *a, **k: pytest.fail("measured again")
-    try:
-        assert probe.device_modes(str(work)) == found
-    finally:
-        probe.measure = real
+    choice.forget()
+    monkeypatch.setattr(choice, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert choice.device_modes(str(work)) == found
 
 
-def test_a_stale_choice_is_measured_again_against_the_mode_in_force(tmp_path, measured, monkeypatch):
-    device = _device_of(tmp_path)
-    probe._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED, age=modes.REPROBE_AFTER_S + 1))
+def test_a_stale_choice_is_measured_again_against_the_mode_in_force(work, measured, monkeypatch):
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED, age=modes.REPROBE_AFTER_S + 1))
     seen = []
     monkeypatch.setattr(probe.modes, "choose", lambda d, b, previous: (seen.append(previous),
                                                                        modes.Choice(previous, "kept"))[1])
-    found = probe.device_modes(str(tmp_path))
+    found = choice.device_modes(str(work))
     assert seen == [modes.BUFFERED, modes.BUFFERED] and found.probes == 2
     assert modes.decode(measured.read_text())[device.key].probes == 2
 
 
-def test_a_corrupt_cache_document_is_measured_again_and_replaced(tmp_path, measured):
+def test_a_corrupt_cache_document_is_measured_again_and_replaced(work, measured):
     measured.parent.mkdir(parents=True)
     measured.write_bytes(b"\x00garbage{" * 1000)
-    found = probe.device_modes(str(tmp_path))
+    found = choice.device_modes(str(work))
     assert found.probes == 1
     assert modes.decode(measured.read_text())[found.device.key] == found
 
 
-def test_an_oversized_cache_document_is_not_read(tmp_path, measured):
-    device = _device_of(tmp_path)
-    probe._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED))
+@pytest.mark.parametrize("field, value", [("probed_at", "1" + "0" * 400), ("probes", "9" * 4300),
+                                          ("direct_s", "[1" + "0" * 400 + "]")])
+def test_hostile_numbers_in_the_cache_never_fail_a_save(work, measured, field, value):
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED))
+    text = measured.read_text()
+    if field == "direct_s":
+        text = text.replace('"direct_s": [', f'"direct_s": {value[:-1]}, ', 1)
+    else:
+        text = re.sub(f'"{field}": [0-9.e+]+', f'"{field}": {value}', text, count=1)
+    measured.write_text(text)
+    assert modes.decode(text) == {}  # the entry is not one
+    assert choice.use_direct(str(work), "write") in (True, False)
+    assert choice.device_modes(str(work)).probes == 1  # measured anew, and kept
+    assert modes.decode(measured.read_text())[device.key].probes == 1
+
+
+def test_choosing_never_fails_a_save_or_a_load(work, measured, monkeypatch, caplog):
+    monkeypatch.setattr(choice, "describe", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert choice.use_direct(str(work), "read") is (modes.DEFAULT == modes.DIRECT)
+    assert "could not be chosen (RuntimeError: boom)" in caplog.text
+
+
+def test_an_oversized_cache_document_is_not_read(work, measured):
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED))
     with open(measured, "a") as f:
         f.write(" " * modes.MAX_DOCUMENT)
-    assert probe.device_modes(str(tmp_path)).probes == 1  # measured, not the document's buffered
+    assert choice.device_modes(str(work)).probes == 1  # measured, not the document's buffered
+
+
+def test_a_fifo_at_the_cache_path_never_hangs(work, measured):
+    measured.parent.mkdir(parents=True)
+    os.mkfifo(measured)
+    t = time.monotonic()
+    found = choice.device_modes(str(work))
+    assert time.monotonic() - t < 30 and found.probes == 1
 
 
 def test_the_choice_is_measured_and_kept_for_the_processes_of_a_node_that_move_bytes_at_once(
-        tmp_path, measured, monkeypatch):
+        work, measured, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    one = probe.device_modes(str(tmp_path))
-    probe._forget()
+    one = choice.device_modes(str(work))
+    choice.forget()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    four = probe.device_modes(str(tmp_path))
+    four = choice.device_modes(str(work))
     assert (one.device.processes, four.device.processes) == (1, 4) and four.probes == 1
     assert set(modes.decode(measured.read_text())) == {one.device.key, four.device.key}
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")
-    assert probe.local_processes() == 1
+    assert choice.local_processes() == 1
 
 
-def test_a_cache_that_cannot_be_written_keeps_the_choice_in_the_process(tmp_path, monkeypatch, measured):
+@pytest.mark.parametrize("processes", [1, 2, 3, 8])
+def test_the_probe_runs_each_process_on_the_threads_its_save_and_load_use(monkeypatch, processes):
+    from shardfmt.io.local import LocalStorage
+    from shardfmt.loading.options import DEFAULT_WORKERS
+    from shardfmt.saving.shard_file import default_write_workers
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    write = default_write_workers()
+    assert probe.threads(processes, direct=False, write=True) == write
+    assert probe.threads(processes, direct=True, write=True) == max(write, aligned.MIN_THREADS)
+    read = min(DEFAULT_WORKERS, LocalStorage.read_concurrency)
+    assert probe.threads(processes, direct=False, write=False) == read
+    assert probe.threads(processes, direct=True, write=False) == min(
+        DEFAULT_WORKERS, max(LocalStorage.read_concurrency, aligned.MIN_THREADS))
+
+
+def test_every_thread_of_every_stream_moves_bytes(work, monkeypatch):
+    monkeypatch.setattr(probe, "PROBE_BYTES", 8 << 20)
+    monkeypatch.setattr(probe, "MIN_PART", 4 << 20)
+    monkeypatch.setattr(probe, "ROUNDS", 1)
+    moved = []
+    real = os.pwrite
+    monkeypatch.setattr(probe.os, "pwrite", lambda fd, v, o: (moved.append(len(v)), real(fd, v, o))[1])
+    with probe._Probe(str(work), 3) as p:
+        p._write(direct=False)
+    assert sum(moved) == 3 * p._part  # every stream's whole part, the tail block too
+    assert len(moved) >= 3 * probe.threads(3, direct=False, write=True)
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_choice_in_the_process(work, tmp_path, monkeypatch, measured):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setenv(probe.CACHE_ENV, str(blocker / "io-modes.json"))  # under a file: no directory
-    found = probe.device_modes(str(tmp_path))
-    assert found.probes == 1 and probe.device_modes(str(tmp_path)) is found
+    monkeypatch.setenv(choice.CACHE_ENV, str(blocker / "io-modes.json"))  # under a file: no directory
+    found = choice.device_modes(str(work))
+    assert found.probes == 1 and choice.device_modes(str(work)) is found
 
 
-def test_a_directory_that_cannot_hold_a_probe_file_gets_the_default(tmp_path, measured, monkeypatch):
+def test_a_directory_that_cannot_hold_a_probe_file_gets_the_default_for_a_while(work, measured, monkeypatch):
     monkeypatch.setattr(probe, "PROBE_BYTES", 1 << 50)  # more than any disk has free
-    found = probe.device_modes(str(tmp_path))
+    found = choice.device_modes(str(work))
     assert found.probes == 0 and found.mode("read") == found.mode("write") == modes.DEFAULT
     assert "not measured" in found.choices["read"].why
     assert not measured.exists()  # an unmeasured default is never kept for other processes
-    assert probe.use_direct(str(tmp_path / "missing"), "read") is (modes.DEFAULT == modes.DIRECT)
+    assert choice.device_modes(str(work)) is found  # not asked again at every file ...
+    monkeypatch.setattr(choice, "UNMEASURED_TTL_S", 0.0)
+    monkeypatch.setattr(probe, "PROBE_BYTES", 2 << 20)
+    assert choice.device_modes(str(work)).probes == 1  # ... but after a while
+    assert choice.use_direct(str(work / "missing"), "read") is (modes.DEFAULT == modes.DIRECT)
 
 
-def test_a_filesystem_refusing_direct_io_is_buffered(measured, tmp_path, monkeypatch):
-    import errno
+def test_a_network_filesystem_is_not_measured(work, measured, monkeypatch):
+    real = choice.describe
+    monkeypatch.setattr(choice, "describe", lambda *a: dataclasses.replace(real(*a), fstype="nfs4"))
+    found = choice.device_modes(str(work))
+    assert found.probes == 0 and "network filesystem" in found.choices["write"].why
 
+
+def test_with_no_shared_cache_the_processes_of_a_node_do_not_each_measure(work, measured, monkeypatch):
+    monkeypatch.setenv(choice.CACHE_ENV, "off")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    found = choice.device_modes(str(work))
+    assert found.probes == 0 and "could not share" in found.choices["read"].why
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert choice.device_modes(str(work)).probes == 1  # one process alone measures for itself
+
+
+def test_a_filesystem_refusing_direct_io_is_buffered(measured, work, monkeypatch):
     def refuse(fd, flags):
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(probe, "reopen_direct", refuse)
-    found = probe.device_modes(str(tmp_path))
+    found = choice.device_modes(str(work))
     assert found.mode("read") == found.mode("write") == modes.BUFFERED and found.probes == 1
     assert "O_DIRECT" in found.choices["write"].why and found.choices["read"].direct_s == ()
-    assert len(found.choices["read"].buffered_s) == probe.ROUNDS and os.listdir(tmp_path) == ["cache"]
+    assert len(found.choices["read"].buffered_s) == probe.ROUNDS and os.listdir(work) == []
 
 
-def test_direct_transfers_refused_after_the_open_are_buffered(measured, tmp_path, monkeypatch):
-    import errno
-
+def test_direct_writes_refused_after_the_open_leave_direct_reads_measured(measured, work, monkeypatch):
     real = os.pwrite
 
     def pwrite(fd, data, offset):
-        if os.get_blocking(fd) and fcntl_flags(fd) & os.O_DIRECT:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, offset)
 
     monkeypatch.setattr(probe.os, "pwrite", pwrite)
-    found = probe.device_modes(str(tmp_path))
+    found = choice.device_modes(str(work))
     assert found.mode("write") == modes.BUFFERED and found.choices["write"].direct_s == ()
+    assert len(found.choices["read"].direct_s) == probe.ROUNDS  # reads were not refused
 
 
-def fcntl_flags(fd: int) -> int:
-    import fcntl
-
-    return fcntl.fcntl(fd, fcntl.F_GETFL)
-
-
-def _probe_in_child(directory: str, cache: str, out) -> None:
-    os.environ.pop(probe.FORCE_ENV, None)
-    os.environ[probe.CACHE_ENV] = cache
+def _probe_in_child(directory: str, cache: str, lock: str, out) -> None:
+    os.environ.pop(choice.FORCE_ENV, None)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    os.environ[choice.CACHE_ENV] = cache
+    choice.lock_path = lambda: lock
     probe.PROBE_BYTES, probe.ROUNDS = 8 << 20, 3
-    found = probe.device_modes(directory)
+    found = choice.device_modes(directory)
     out.put((found.probed_at, found.probes))
 
 
-def test_the_processes_of_a_node_measure_once(tmp_path, measured):
+def test_the_processes_of_a_node_measure_once(work, tmp_path, measured):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_probe_in_child, args=(str(tmp_path), str(measured), out)) for _ in range(3)]
+    procs = [ctx.Process(target=_probe_in_child, args=(str(work), str(measured), str(tmp_path / "probe.lock"), out))
+             for _ in range(3)]
     for p in procs:
         p.start()
     got = [out.get(timeout=120) for _ in procs]
@@ -259,43 +341,68 @@ def test_the_processes_of_a_node_measure_once(tmp_path, measured):
     assert len(set(got)) == 1 and got[0][1] == 1  # one measurement, which all three use
 
 
-def test_a_probe_lock_held_too_long_is_not_waited_for(tmp_path, measured, monkeypatch):
-    import fcntl
-
-    measured.parent.mkdir(parents=True)
-    fd = os.open(str(measured) + ".lock", os.O_RDWR | os.O_CREAT)
-    other = os.open(str(measured) + ".lock", os.O_RDWR)  # another open file: flock conflicts as between processes
+def test_a_probe_lock_held_too_long_is_not_waited_for(work, tmp_path, measured, monkeypatch):
+    other = os.open(str(tmp_path / "probe.lock"), os.O_RDWR | os.O_CREAT)  # another open file: as another process
     fcntl.flock(other, fcntl.LOCK_EX)
-    monkeypatch.setattr(probe, "LOCK_WAIT_S", 0.3)
+    monkeypatch.setattr(choice, "LOCK_WAIT_S", 0.3)
     try:
         t = time.monotonic()
-        found = probe.device_modes(str(tmp_path))
+        found = choice.device_modes(str(work))
         assert time.monotonic() - t < 5
         assert found.probes == 0 and found.mode("read") == modes.DEFAULT and "held" in found.choices["read"].why
     finally:
         os.close(other)
-        os.close(fd)
+
+
+def test_a_forked_child_does_not_keep_the_probe_lock(work, tmp_path, measured, monkeypatch):
+    """A fork while a probe holds the lock (a DataLoader worker started while an async save
+    measures): the child's copy must not hold the lock once the parent lets it go."""
+    lock = str(tmp_path / "probe.lock")
+    with choice._locked(lock) as held:
+        assert held
+        r, w = os.pipe()
+        up_r, up_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child (its fork handlers have run): says so, then waits until told to exit
+            os.close(w)
+            os.write(up_w, b"u")
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        os.close(up_w)
+        assert os.read(up_r, 1) == b"u"
+        os.close(up_r)
+    try:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free while the child lives
+        finally:
+            os.close(fd)
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
 
 
 @pytest.mark.parametrize("value, mode", [("1", modes.DIRECT), ("on", modes.DIRECT), ("0", modes.BUFFERED),
                                          ("false", modes.BUFFERED), ("auto", None), ("", None)])
 def test_the_environment_forces_a_mode_without_measuring(monkeypatch, value, mode):
-    monkeypatch.setenv(probe.FORCE_ENV, value)
-    assert probe.forced() == mode
+    monkeypatch.setenv(choice.FORCE_ENV, value)
+    assert choice.forced() == mode
 
 
 def test_a_misspelt_forced_mode_is_warned_about_and_measured(monkeypatch):
-    monkeypatch.setenv(probe.FORCE_ENV, "dirct")
-    probe._warned.discard("dirct")
+    monkeypatch.setenv(choice.FORCE_ENV, "dirct")
+    choice._said.discard("dirct")
     with pytest.warns(UserWarning, match="SHARDFMT_DIRECT_IO='dirct'"):
-        assert probe.forced() is None
+        assert choice.forced() is None
 
 
 # -- saves and loads follow the choice -----------------------------------------------------------
 
 @pytest.mark.parametrize("write, read", [(modes.DIRECT, modes.BUFFERED), (modes.BUFFERED, modes.DIRECT)])
 def test_saves_and_loads_go_the_way_the_device_chose(tmp_path, measured, monkeypatch, write, read):
-    probe._write(str(measured), _kept(_device_of(tmp_path), write, read))
+    choice._write(str(measured), _kept(_device_of(tmp_path), write, read))
     transfers = []
     real = local.direct_transfer
     monkeypatch.setattr(local, "direct_transfer", lambda call, mv, off, want, path, what, count:

@@ -63,9 +63,34 @@ def _meta(sc: Scenario, opts: Options, specs, scratch: str, env_rec: dict | None
 
 
 def _headline(m: dict) -> str:
+    io = "; ".join(f"{d['processes']} process(es): write {d['write']['mode']}, read {d['read']['mode']}"
+                   for d in m.get("io_modes", []))
     return (f"{m['scenario']}: {m['state_bytes'] / 1e9:.3f} GB in {m['tensors']} tensors, {m['ranks']} rank(s) on "
             f"{m['device']} ({m['device_name']}, {m['cpus']} CPUs), fsync {'on' if m['fsync'] else 'off'}, scratch "
-            f"{m['scratch_fs']}; {m['date']}, shardfmt/reshard of commit {m['commit']}, torch {m['torch']}")
+            f"{m['scratch_fs']}; {m['date']}, shardfmt/reshard of commit {m['commit']}, torch {m['torch']}"
+            + (f"\nI/O modes the default measured ({io})" if io else ""))
+
+
+IO_MODES_ENV = "SHARDFMT_IO_MODES"
+
+
+def _io_modes_path(scratch: str) -> str:
+    return os.path.join(scratch, "io-modes.json")
+
+
+def _io_modes(scratch: str) -> list[dict]:
+    """What the run's default I/O chose on each device, for each number of processes (the
+    cache document ``shardfmt.io.choice`` kept in the scratch directory)."""
+    from shardfmt.io import modes
+
+    try:
+        with open(os.environ.get(IO_MODES_ENV) or _io_modes_path(scratch), "rb") as f:
+            found = modes.decode(f.read(modes.MAX_DOCUMENT))
+    except OSError:
+        return []
+    return [{"processes": m.device.processes, "fstype": m.device.fstype,
+             **{op: {"mode": c.mode, "why": c.why, "direct_s": list(c.direct_s), "buffered_s": list(c.buffered_s)}
+                for op, c in sorted(m.choices.items())}} for m in sorted(found.values(), key=lambda m: m.device.key)]
 
 
 def _run_jobs(sc: Scenario, opts: Options, scratch: str, timeout: float) -> list[dict]:
@@ -83,11 +108,13 @@ def _run_jobs(sc: Scenario, opts: Options, scratch: str, timeout: float) -> list
         common.update(s3_endpoint=server.endpoint, s3_base=f"s3://{bucket}/ck")
         print(f"S3 server {server.endpoint}, bucket {bucket}", flush=True)
     records: list[dict] = []
+    env = dict(server.env()) if server else {}
+    # each run measures its devices' I/O modes afresh (in a warm-up: the first save or load) unless told where
+    env.setdefault(IO_MODES_ENV, os.environ.get(IO_MODES_ENV) or _io_modes_path(scratch))
     try:
         for k, job in enumerate(plan_jobs(sc, opts)):
             body = dict(common, phases=[p.to_json() for p in job.phases])
-            records += launch(body, job.world, os.path.join(scratch, "logs", f"job{k}"), timeout=timeout,
-                              env=server.env() if server else None)
+            records += launch(body, job.world, os.path.join(scratch, "logs", f"job{k}"), timeout=timeout, env=env)
     finally:
         if server is not None:
             server.stop()
@@ -110,6 +137,7 @@ def run(sc: Scenario, opts: Options, *, json_out: str | None, scratch_dir: str |
     finally:  # the checkpoints go whatever happens (an interrupted run too); the logs of a failed one stay
         probes.remove(os.path.join(scratch, "ckpt"))
     meta = _meta(sc, opts, specs, scratch, next((r for r in records if r.get("kind") == "env"), None))
+    meta["io_modes"] = _io_modes(scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     meta.update(wall_s=time.perf_counter() - t0, load_avg_before=load0, load_avg_after=os.getloadavg(),
                 code_before=code0, code_after=probes.code_fingerprint())

@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir", help="a directory on the device (a Checkpointer root)")
     m.add_argument("--again", action="store_true",
                    help="measure now (the mode in force changes only if the other is clearly faster)")
+    m.add_argument("--processes", type=int, metavar="N",
+                   help="the processes of the node that save and load at once, e.g. the GPUs a node trains "
+                        "on (default: LOCAL_WORLD_SIZE, else 1): which way is faster can depend on it")
     m.add_argument("--json", action="store_true", help="print JSON instead of text")
     m.set_defaults(func=deferred("shardfmt.cli.io_modes", "cmd_io_modes"))
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from shardfmt.errors import IntegrityError, SpecialFileError
 from shardfmt.io.aligned import DIRECT_ALIGN
+from shardfmt.io.choice import use_direct
 from shardfmt.io.posix import (
     CLOEXEC,
     OPEN_DIR,
@@ -31,7 +32,6 @@ from shardfmt.io.posix import (
     sync_file_range,
     walk_tree,
 )
-from shardfmt.io.probe import use_direct
 from shardfmt.io.store import PROCESS_IO, IOStats
 
 
@@ -83,7 +83,7 @@ class _LocalWriter:
     def open_direct(self) -> bool:
         """Open a second handle on the file with ``O_DIRECT``: blocks written through
         ``pwrite_block`` then go from memory to the device, without a copy into the page
-        cache. False (nothing changes) where the device writes faster buffered (``io.probe``),
+        cache. False (nothing changes) where the device writes faster buffered (``io.choice``),
         or the OS or the filesystem has no direct I/O."""
         if not use_direct(os.path.dirname(self._path) or ".", "write"):
             return False
@@ -159,7 +159,7 @@ class _LocalReader:
         self._path = path
         self._stats = stats
         self._dfd: int | None = None  # the O_DIRECT handle, opened at the first block read
-        self._direct: bool | None = None  # None: not asked yet (``io.probe``, at the first question)
+        self._direct: bool | None = None  # None: not asked yet (``io.choice``, at the first question)
         self._lock = threading.Lock()
         self._fd, st = open_regular(path, within=within)
         self.size = st.st_size
@@ -187,7 +187,7 @@ class _LocalReader:
     @property
     def direct(self) -> bool:
         """Whether ``read_block`` goes around the page cache (``O_DIRECT``): where the device
-        reads faster so (``io.probe``); the handle is opened at the first question, on the file
+        reads faster so (``io.choice``); the handle is opened at the first question, on the file
         already open (False where the filesystem refuses it)."""
         with self._lock:
             if self._direct is None:

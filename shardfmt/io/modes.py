@@ -13,8 +13,9 @@ in interleaved rounds, and ``choose`` turns the timings into a mode:
 - a device that refuses ``O_DIRECT`` (tmpfs, some network filesystems) reads and writes buffered.
 
 ``DEFAULT`` is direct: where the two measure alike it is the one that leaves the training
-job's page cache alone without extra work, and it was ahead in every run that separated on
-this project's VM (benchmarks/README.md, issue 22). A cached choice is kept in a small JSON
+job's page cache alone without extra work. Which way is ahead depends on the device and on
+how many processes move bytes at once: on this project's VM, one process loaded faster
+buffered and two faster direct (benchmarks/README.md, issue 22). A cached choice is kept in a small JSON
 document (``encode``/``decode``), read as untrusted input: a document that is not one, or an
 entry that does not hold, is ignored, never trusted.
 """
@@ -34,6 +35,8 @@ DEFAULT = DIRECT
 MARGIN = 0.10  # leaving the mode in force: the other way faster by 10% beyond both spreads
 REPROBE_AFTER_S = 30 * 86400.0  # a choice this old is measured again (and kept unless beaten)
 MAX_DEVICES = 64  # entries a cache document keeps (the most recently probed)
+MAX_PROBES = 1 << 31  # a count of probes larger than this is not one
+MAX_NUMBER = float(1 << 53)  # seconds and Unix times in a cache document stay below this
 MAX_PROCESSES = 1 << 16  # processes of one node (a cache entry naming more is not one)
 MAX_DOCUMENT = 1 << 20  # bytes: a larger cache document is not read
 KIND = "shardfmt-io-modes"
@@ -163,7 +166,7 @@ def _entry(entry) -> DeviceModes | None:
         return None
     if not isinstance(processes, int) or isinstance(processes, bool) or not 1 <= processes <= MAX_PROCESSES:
         return None
-    if not _number(probed_at) or not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
+    if not _number(probed_at) or not isinstance(probes, int) or isinstance(probes, bool) or not 1 <= probes <= MAX_PROBES:
         return None
     parsed = {op: _choice(choices.get(op)) for op in OPERATIONS}
     if any(c is None for c in parsed.values()):
@@ -181,4 +184,8 @@ def _choice(c) -> Choice | None:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+    """A finite, non-negative number below ``MAX_NUMBER`` (a huge integer is not one: never
+    converted, so it cannot overflow)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return 0 <= x < MAX_NUMBER if isinstance(x, int) else math.isfinite(x) and 0 <= x < MAX_NUMBER

@@ -1,30 +1,22 @@
-"""A device's direct and buffered transfers, measured once and kept (the shell of ``io.modes``).
+"""Timing a device's direct and buffered transfers, as a node's processes make them (``io.choice``
+asks, ``io.modes`` chooses).
 
-The first large transfer a process makes on a device asks ``use_direct``; it finds the device's
-choice in this process, else in the cache document (``cache_path()``: one per user, shared by
-the ranks of a node), else measures it: ``PROBE_BYTES`` written and read back both ways in
-``WARMUP + ROUNDS`` interleaved rounds (about a second), in a file with no name in the
-directory at hand (``O_TMPFILE``: nothing is left behind, even by a crash). The ranks of a node
-take turns through a lock on the cache document, so one measures and the others read its
-answer; a process that waits ``LOCK_WAIT_S`` for it goes on with ``modes.DEFAULT``, never hangs.
-
-``SHARDFMT_DIRECT_IO=1`` makes every large transfer direct, ``=0`` buffered, without measuring;
-``SHARDFMT_IO_MODES`` names the cache document (``off``: kept in this process only).
+``measure`` writes and reads ``PROBE_BYTES`` both ways in ``WARMUP + ROUNDS`` interleaved rounds
+(about 1.5 s on a disk moving 1 GB/s), in files that have no name in the directory at hand
+(``O_TMPFILE``: nothing is left behind, even by a crash; where the filesystem has none,
+nothing is measured). Each of the node's processes is one stream with its own file, on the
+threads its save (``saving.shard_file``) or load (``loading.executor``) would use; a save
+hashes each block before it writes it, a load after it read it, as the library does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import logging
 import os
-import socket
-import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from shardfmt.errors import StorageError
 from shardfmt.format.hashing import DEFAULT_CHUNK_SIZE, xxh3_raw
@@ -34,187 +26,92 @@ from shardfmt.io.posix import CLOEXEC, reopen_direct
 
 log = logging.getLogger("shardfmt")
 
-FORCE_ENV = "SHARDFMT_DIRECT_IO"
-CACHE_ENV = "SHARDFMT_IO_MODES"
-PROBE_BYTES = 64 << 20  # one file of this size per way and operation, MAX_BLOCK blocks on threads
-ROUNDS = 5  # judged rounds; each writes and reads PROBE_BYTES both ways, in an order that alternates
+PROBE_BYTES = 64 << 20  # the buffer, and the bytes of one transfer of a single process
+MIN_PART = 16 << 20  # bytes each process's stream moves at least (with many processes)
+ROUNDS = 5  # judged rounds; each writes and reads both ways, in an order that alternates
 WARMUP = 1  # rounds first, not judged (first touches of the buffer, the allocator, the device)
-LOCK_WAIT_S = 120.0  # waiting for another process's probe longer than this: modes.DEFAULT, unmeasured
-_FORCED = {"1": modes.DIRECT, "true": modes.DIRECT, "yes": modes.DIRECT, "on": modes.DIRECT,
-           "0": modes.BUFFERED, "false": modes.BUFFERED, "no": modes.BUFFERED, "off": modes.BUFFERED}
 
-_lock = threading.Lock()
-_known: dict[int, modes.DeviceModes] = {}  # st_dev -> this process's answer
-_warned: set[str] = set()
+_open: set[int] = set()  # probe files open now: a forked child closes its copies (their disk space)
 
 
-def _forget() -> None:
-    """Start empty, with a new lock (in a forked child, or a test)."""
-    global _lock
-    _lock = threading.Lock()
-    _known.clear()
+def _close_in_child() -> None:
+    for fd in list(_open):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _open.clear()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget)
-
-
-def forced() -> str | None:
-    """The mode ``SHARDFMT_DIRECT_IO`` imposes (None: unset or ``auto``, measured)."""
-    value = os.environ.get(FORCE_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return None
-    if value not in _FORCED:
-        if value not in _warned:
-            _warned.add(value)
-            warnings.warn(f"{FORCE_ENV}={value!r} is not one of 1, 0 or auto: measured (auto)", stacklevel=3)
-        return None
-    return _FORCED[value]
-
-
-def use_direct(directory: str, operation: str) -> bool:
-    """Whether large transfers of ``operation`` (``write``/``read``) for files in ``directory``
-    go around the page cache: what ``SHARDFMT_DIRECT_IO`` imposes, else what the directory's
-    device measured. Never raises: a directory that cannot be measured gets ``modes.DEFAULT``."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    mode = forced()
-    if mode is None:
-        try:
-            mode = device_modes(directory).mode(operation)
-        except OSError:
-            mode = modes.DEFAULT
-    return mode == modes.DIRECT
-
-
-def device_modes(directory: str, *, again: bool = False) -> modes.DeviceModes:
-    """The choices for ``directory``'s device: this process's, the cache's, or measured now
-    (``again``: measured now whatever is known, the choice known before kept unless beaten).
-    OSError only where ``directory`` cannot be looked at."""
-    st = os.stat(directory)
-    with _lock:
-        known = _known.get(st.st_dev)
-        if known is not None and not again and not known.stale(time.time()):
-            return known
-        found = _settle(directory, describe(directory, st.st_dev), again=again, known=known)
-        _known[st.st_dev] = found
-        return found
-
-
-def cache_path() -> str | None:
-    """Where choices are kept: ``SHARDFMT_IO_MODES``, else ``$XDG_CACHE_HOME`` or ``~/.cache``
-    + ``shardfmt/io-modes.json``; None (this process only) for ``off`` or no home."""
-    named = os.environ.get(CACHE_ENV)
-    if named is not None:
-        return None if named.strip().lower() in ("", "off", "0", "none") else named
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return None if base.startswith("~") else os.path.join(base, "shardfmt", "io-modes.json")
-
-
-def describe(directory: str, dev: int) -> modes.Device:
-    """The device ``dev`` (``directory``'s), named by this host, ``major:minor``, and the
-    filesystem and mount point ``/proc/self/mountinfo`` gives it (``?`` where it has none),
-    for the node's ``local_processes()``."""
-    number = f"{os.major(dev)}:{os.minor(dev)}"
-    where = os.path.realpath(directory)
-    best = ("?", "?")
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read(4 << 20).splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        head, _, tail = line.partition(" - ")
-        fields, rest = head.split(), tail.split()
-        if len(fields) < 5 or not rest or fields[2] != number:
-            continue
-        mount = fields[4].replace("\\040", " ")
-        inside = where == mount or where.startswith(mount.rstrip("/") + "/")
-        if inside and (best[1] == "?" or len(mount) > len(best[1])):
-            best = (rest[0], mount)
-    return modes.Device(socket.gethostname(), number, *best, local_processes())
-
-
-def local_processes() -> int:
-    """The processes of this node that save and load at once: ``LOCAL_WORLD_SIZE`` (torchrun
-    sets it), else 1."""
-    try:
-        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-    return max(1, min(n, modes.MAX_PROCESSES))
-
-
-def _settle(directory: str, device: modes.Device, *, again: bool,
-            known: modes.DeviceModes | None) -> modes.DeviceModes:
-    """The cache's choice for ``device``, or a new measurement (written back), under the cache's
-    lock; measured against the cache's choice, else this process's (``known``)."""
-    path = cache_path()
-    with _locked(path) as held:
-        kept = _read(path).get(device.key) if path else None
-        kept = kept or (known if known is not None and known.probes else None)
-        if kept is not None and not again and not kept.stale(time.time()):
-            return kept
-        if not held:
-            return kept or _unmeasured(device, f"another process held {path}.lock for {LOCK_WAIT_S:g} s")
-        found = measure(directory, device, previous=kept)
-        if path and found.probes:
-            _write(path, found)
-        return found
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def measure(directory: str, device: modes.Device, *, previous: modes.DeviceModes | None = None) -> modes.DeviceModes:
-    """Time both ways in ``directory`` and choose, each operation against ``previous``'s mode;
-    ``modes.DEFAULT`` unmeasured (``probes=0``) where no probe file can be made there."""
+    """Time both ways in ``directory`` for ``device.processes`` streams and choose, each
+    operation against ``previous``'s mode; ``modes.DEFAULT`` unmeasured (``probes=0``) where
+    no probe file can be made there."""
     try:
         with _Probe(directory, device.processes) as probe:
-            writes, reads = probe.run()
-    except (OSError, StorageError) as e:
-        return _unmeasured(device, f"could not probe in {directory}: {getattr(e, 'strerror', None) or e}")
-    choices = {op: modes.choose(*times, previous.mode(op) if previous else None)
-               for op, times in (("write", writes), ("read", reads))}
-    found = modes.DeviceModes(device, choices, time.time(), (previous.probes if previous else 0) + 1)
-    log.info("shardfmt: I/O on %s (%s, %s): %s", device.mount, device.fstype, device.device,
-             "; ".join(f"{op} {c.mode} ({c.why})" for op, c in sorted(choices.items())))
+            times = probe.run()
+    except (OSError, StorageError, RuntimeError, AttributeError) as e:  # AttributeError: no O_TMPFILE
+        return unmeasured(device, f"no probe in {directory}: {getattr(e, 'strerror', None) or e}")
+    choices = {op: modes.choose(*times[op], previous.mode(op) if previous else None) for op in modes.OPERATIONS}
+    found = modes.DeviceModes(device, choices, time.time(), min((previous.probes if previous else 0) + 1,
+                                                                  modes.MAX_PROBES))
+    log.info("shardfmt: I/O on %s (%s, %s, %d processes): %s", device.mount, device.fstype, device.device,
+             device.processes, "; ".join(f"{op} {c.mode} ({c.why})" for op, c in sorted(choices.items())))
     return found
 
 
-def _unmeasured(device: modes.Device, why: str) -> modes.DeviceModes:
+def unmeasured(device: modes.Device, why: str) -> modes.DeviceModes:
+    """``modes.DEFAULT`` for every operation, saying why nothing was measured (``probes=0``)."""
     c = modes.Choice(modes.DEFAULT, f"not measured ({why}): the default")
     return modes.DeviceModes(device, {op: c for op in modes.OPERATIONS}, time.time(), probes=0)
 
 
+def threads(processes: int, *, direct: bool, write: bool) -> int:
+    """A process's transfer threads, as the executors run them: its share of the cores (a save:
+    ``saving.shard_file.default_write_workers``) or the cores (a load: ``LocalStorage.read_concurrency``
+    capped by ``LoadOptions.workers``), at most ``MIN_THREADS``; at least ``MIN_THREADS`` for
+    direct transfers, which mostly wait on the device."""
+    cores = os.cpu_count() or 1
+    n = max(1, min(MIN_THREADS, cores // max(1, processes) if write else cores))
+    return max(n, MIN_THREADS) if direct else n
+
+
 class _Probe:
-    """The timed transfers, as the node's ``processes`` make them at once: each way writes new
-    files (one a process, allocating, as a save does), fsyncs them and drops their pages; then
-    each way reads them back from a cold cache, as a load does. The files have no name in
-    ``directory``; the processes' parts of ``PROBE_BYTES`` lie in one page-aligned buffer."""
+    """Probe files with no name in ``directory`` and a page-aligned buffer the streams share
+    (what it holds does not matter, only that it is moved): each way writes new files (one a
+    stream, allocating, as a save does), fsyncs them and drops their pages; then each way reads
+    them back from a cold cache, as a load does."""
 
     def __init__(self, directory: str, processes: int) -> None:
         self._dir = directory
         self._fds: list[int] = []
+        self._streams = max(1, min(processes, modes.MAX_PROCESSES))
+        part = max(PROBE_BYTES // self._streams, min(MIN_PART, PROBE_BYTES))
+        self._part = max(DIRECT_ALIGN, part // DIRECT_ALIGN * DIRECT_ALIGN)  # bytes a stream moves
         st = os.statvfs(directory)
-        if st.f_bavail * st.f_frsize < 8 * PROBE_BYTES:
-            raise OSError(errno.ENOSPC, f"less than {8 * PROBE_BYTES >> 20} MiB free")
-        self._streams = max(1, min(processes, PROBE_BYTES // (1 << 20)))
-        self._part = PROBE_BYTES // self._streams // DIRECT_ALIGN * DIRECT_ALIGN  # bytes a process moves
-        self._buf = Bounce(PROBE_BYTES)
+        if st.f_bavail * st.f_frsize < 4 * self._streams * self._part:
+            raise OSError(errno.ENOSPC, f"less than {4 * self._streams * self._part >> 20} MiB free")
+        self._buf = Bounce(self._part)
         block = os.urandom(1 << 20)  # incompressible, so a compressing filesystem moves every byte
-        for off in range(0, PROBE_BYTES, len(block)):
-            self._buf.mv[off:off + len(block)] = block
-        self._direct_ok = True
+        for off in range(0, self._part, len(block)):
+            self._buf.mv[off:off + len(block)] = block[:self._part - off]
+        self._refused: set[str] = set()  # operations the filesystem refused O_DIRECT for
 
     def __enter__(self) -> _Probe:
         return self
 
     def __exit__(self, *exc) -> None:
         for fd in self._fds:
-            os.close(fd)
+            self._close(fd)
         self._buf = None  # unmapped once the last view of it goes (an error's traceback may hold one)
 
-    def run(self) -> tuple[tuple[list[float], list[float]], tuple[list[float], list[float]]]:
-        """Seconds per judged round: ((write direct, write buffered), (read direct, read buffered));
-        the direct lists empty where the filesystem refuses ``O_DIRECT``."""
+    def run(self) -> dict[str, tuple[list[float], list[float]]]:
+        """Seconds per judged round, by operation: (direct, buffered); direct empty where the
+        filesystem refused ``O_DIRECT`` for it."""
         times = {(op, way): [] for op in modes.OPERATIONS for way in modes.MODES}
         for r in range(WARMUP + ROUNDS):
             ways = modes.MODES if r % 2 == 0 else modes.MODES[::-1]
@@ -226,28 +123,28 @@ class _Probe:
                 times["read", way].append(self._read(files[modes.DIRECT], way == modes.DIRECT))
             for fds in files.values():
                 for fd in fds:
-                    os.close(fd)
-                    self._fds.remove(fd)
+                    self._close(fd)
             if r < WARMUP:
                 for t in times.values():
                     t.clear()
-        if not self._direct_ok:
-            times["write", modes.DIRECT], times["read", modes.DIRECT] = [], []
-        return tuple((times[op, modes.DIRECT], times[op, modes.BUFFERED]) for op in modes.OPERATIONS)
+        return {op: ([] if op in self._refused else times[op, modes.DIRECT], times[op, modes.BUFFERED])
+                for op in modes.OPERATIONS}
 
     def _file(self) -> int:
-        try:
-            fd = os.open(self._dir, os.O_TMPFILE | os.O_RDWR | CLOEXEC, 0o600)
-        except (OSError, AttributeError):  # no O_TMPFILE here: a named file, unlinked at once
-            fd, name = tempfile.mkstemp(prefix=".shardfmt-io-probe-", dir=self._dir)
-            os.unlink(name)
+        fd = os.open(self._dir, os.O_TMPFILE | os.O_RDWR | CLOEXEC, 0o600)  # OSError/AttributeError: none
         self._fds.append(fd)
+        _open.add(fd)
         return fd
+
+    def _close(self, fd: int) -> None:
+        self._fds.remove(fd)
+        _open.discard(fd)
+        os.close(fd)
 
     def _write(self, direct: bool) -> tuple[list[int], float]:
         fds = [self._file() for _ in range(self._streams)]
         t = time.perf_counter()
-        self._transfer(fds, direct, os.O_WRONLY, lambda h, v, o: os.pwrite(h, v, o))
+        self._transfer(fds, direct, "write", lambda h, v, o: os.pwrite(h, v, o))
         for fd in fds:
             os.fsync(fd)
             _drop(fd)
@@ -259,68 +156,60 @@ class _Probe:
         t = time.perf_counter()
         if not direct:
             for fd in fds:
-                _advise(fd, os.POSIX_FADV_WILLNEED)
-        self._transfer(fds, direct, os.O_RDONLY, lambda h, v, o: os.preadv(h, [v], o))
+                _advise(fd, getattr(os, "POSIX_FADV_WILLNEED", 3))
+        self._transfer(fds, direct, "read", lambda h, v, o: os.preadv(h, [v], o))
         if not direct:
             for fd in fds:
                 _drop(fd)
         return time.perf_counter() - t
 
-    def _threads(self, direct: bool, write: bool) -> int:
-        """A process's threads, as the save (``saving.shard_file``) and load (``loading.executor``)
-        executors run them: its share of the cores (writes) or the cores (reads), at most
-        ``MIN_THREADS``; at least ``MIN_THREADS`` for direct transfers, which mostly wait on the device."""
-        cores = os.cpu_count() or 1
-        threads = max(1, min(MIN_THREADS, cores // self._streams if write else cores))
-        return max(threads, MIN_THREADS) if direct else threads
-
-    def _transfer(self, fds: list[int], direct: bool, flags: int, call: Callable[[int, memoryview, int], int]) -> None:
-        """Each file's part of the buffer in blocks of at most ``MAX_BLOCK``, all files at once,
-        each on its process's threads; a save hashes each block before it writes it, a load after
-        it read it."""
-        handles = list(fds)
+    def _transfer(self, fds: list[int], direct: bool, op: str, call: Callable[[int, memoryview, int], int]) -> None:
+        """Each stream's ``_part`` bytes at once, each on its process's threads."""
+        direct = direct and op not in self._refused
+        handles: list[int] = []
         try:
-            if direct and self._direct_ok:
-                try:
-                    handles = [reopen_direct(fd, flags) for fd in fds]
-                except OSError:
-                    self._direct_ok = False
-            direct = direct and self._direct_ok
-            errors = self._run(handles, self._threads(direct, flags != os.O_RDONLY), flags, call)
+            for fd in fds:
+                handles.append(reopen_direct(fd, os.O_WRONLY if op == "write" else os.O_RDONLY) if direct else fd)
+        except OSError:
+            direct = False
+            self._refused.add(op)
+        try:
+            errors = self._run(handles if direct else fds, threads(self._streams, direct=direct, write=op == "write"),
+                               op, call)
         finally:
             for h in handles:
                 if h not in fds:
                     os.close(h)
-        if errors and direct and errors[0].errno == errno.EINVAL:
-            self._direct_ok = False  # the filesystem refuses O_DIRECT transfers: buffered then
-            return self._transfer(fds, False, flags, call)
+        if errors and direct and isinstance(errors[0], OSError) and errors[0].errno == errno.EINVAL:
+            self._refused.add(op)  # the filesystem refuses O_DIRECT transfers: buffered then
+            return self._transfer(fds, False, op, call)
         if errors:
             raise errors[0]
 
-    def _run(self, handles: list[int], threads: int, flags: int, call) -> list[OSError]:
-        size = min(MAX_BLOCK, self._part)
-        errors: list[OSError] = []
+    def _run(self, handles: list[int], n: int, op: str, call) -> list[BaseException]:
+        size = min(MAX_BLOCK, max(DIRECT_ALIGN, self._part // n // DIRECT_ALIGN * DIRECT_ALIGN))
+        blocks = [(off, min(off + size, self._part)) for off in range(0, self._part, size)]
+        errors: list[BaseException] = []
         mv = self._buf.mv
 
-        def work(handle: int, base: int, mine: list[int]) -> None:
+        def work(handle: int, mine: list[tuple[int, int]]) -> None:
             try:
-                for off in mine:
-                    if flags != os.O_RDONLY:
-                        _hash(mv[base + off:base + off + size])
-                    done = 0
-                    while done < size:
-                        n = call(handle, mv[base + off + done:base + off + size], off + done)
-                        if n <= 0 or n % DIRECT_ALIGN:
-                            raise OSError(errno.EIO, f"short transfer ({n} bytes)")
-                        done += n
-                    if flags == os.O_RDONLY:
-                        _hash(mv[base + off:base + off + size])
-            except OSError as e:
+                for lo, hi in mine:
+                    if op == "write":
+                        _hash(mv[lo:hi])
+                    done = lo
+                    while done < hi:
+                        got = call(handle, mv[done:hi], done)
+                        if got <= 0 or (got % DIRECT_ALIGN and done + got < hi):
+                            raise OSError(errno.EIO, f"short transfer ({got} bytes)")
+                        done += got
+                    if op == "read":
+                        _hash(mv[lo:hi])
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
                 errors.append(e)
 
-        blocks = list(range(0, self._part - size + 1, size))
-        workers = [threading.Thread(target=work, args=(h, k * self._part, blocks[j::threads]))
-                   for k, h in enumerate(handles) for j in range(threads)]
+        workers = [threading.Thread(target=work, args=(h, blocks[j::n]), daemon=True)
+                   for h in handles for j in range(n)]
         for w in workers:
             w.start()
         for w in workers:
@@ -341,67 +230,4 @@ def _advise(fd: int, advice: int) -> None:
 
 
 def _drop(fd: int) -> None:
-    _advise(fd, os.POSIX_FADV_DONTNEED)
-
-
-@contextlib.contextmanager
-def _locked(path: str | None) -> Iterator[bool]:
-    """Hold ``path.lock`` (an exclusive ``flock``), waiting at most ``LOCK_WAIT_S``; yields
-    whether it is held (True with no path: nothing to share)."""
-    if path is None:
-        yield True
-        return
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | CLOEXEC, 0o600)
-    except OSError:
-        yield True  # nowhere to keep it: measured for this process alone
-        return
-    try:
-        yield _take(fd)
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _take(fd: int) -> bool:
-    """Take the exclusive ``flock`` on ``fd`` within ``LOCK_WAIT_S`` (False: not in time); a
-    filesystem with no locks counts as held."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-        time.sleep(0.05)
-
-
-def _read(path: str) -> dict[str, modes.DeviceModes]:
-    try:
-        with open(path, "rb") as f:
-            text = f.read(modes.MAX_DOCUMENT + 1)
-    except OSError:
-        return {}
-    return {} if len(text) > modes.MAX_DOCUMENT else modes.decode(text)
-
-
-def _write(path: str, found: modes.DeviceModes) -> None:
-    """Put ``found`` in the document at ``path`` (replaced whole: a reader never sees half of it);
-    a document that cannot be written leaves the choice with this process."""
-    devices = _read(path)
-    devices[found.device.key] = found
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".io-modes-", dir=os.path.dirname(path) or ".")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(modes.encode(devices))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.info("shardfmt: could not keep the I/O modes in %s: %s", path, e)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", 4))
