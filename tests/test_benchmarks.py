@@ -275,3 +275,21 @@ def test_the_restore_timeline_benchmark_times_both_restores_phase_by_phase(tmp_p
         assert set(med[name]) == {"discover", "open", "plan", "read", "verify", "apply", "total"}
         assert 0 < med[name]["read"] <= med[name]["total"]
     assert os.listdir(tmp_path) == ["timeline.json"]
+
+
+def test_a_run_reports_the_io_modes_its_default_measured(tmp_path, monkeypatch):
+    from benchmarks.harness import driver
+    from shardfmt.io import modes
+
+    choice = modes.Choice(modes.DIRECT, "direct faster (spreads separate)", (0.1, 0.1), (0.2, 0.2))
+    found = modes.DeviceModes(modes.Device("h", "8:1", "ext4", "/", 2), {"write": choice, "read": choice}, 1.0)
+    monkeypatch.delenv(driver.IO_MODES_ENV, raising=False)
+    (tmp_path / "io-modes.json").write_text(modes.encode({found.device.key: found}))
+    got = driver._io_modes(str(tmp_path))
+    assert got == [{"processes": 2, "fstype": "ext4",
+                    "read": {"mode": "direct", "why": choice.why, "direct_s": [0.1, 0.1], "buffered_s": [0.2, 0.2]},
+                    "write": {"mode": "direct", "why": choice.why, "direct_s": [0.1, 0.1], "buffered_s": [0.2, 0.2]}}]
+    meta = {"scenario": "s", "state_bytes": 1e9, "tensors": 1, "ranks": 2, "device": "cpu", "device_name": "x",
+            "cpus": 2, "fsync": True, "scratch_fs": "ext4", "date": "d", "commit": "c", "torch": "t", "io_modes": got}
+    assert "2 process(es): write direct, read direct" in driver._headline(meta)
+    assert driver._io_modes(str(tmp_path / "none")) == []
