@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -121,6 +122,13 @@ def test_an_entry_that_does_not_hold_is_left_out(change):
     assert list(back) == [good.device.key]
 
 
+def test_a_version_that_is_not_a_number_is_not_one():
+    good = _kept(modes.Device("h", "8:1", "ext4", "/"), modes.DIRECT, modes.DIRECT)
+    doc = json.loads(modes.encode({good.device.key: good}))
+    doc["version"] = True
+    assert modes.decode(json.dumps(doc)) == {} and len(modes.decode(modes.encode({good.device.key: good}))) == 1
+
+
 @pytest.mark.parametrize("field, value", [("probed_at", "yesterday"), ("probed_at", -5), ("probes", 0),
                                           ("probes", True), ("host", 7), ("choices", []), ("processes", 0),
                                           ("processes", 10 ** 9), ("processes", "8")])
@@ -133,8 +141,25 @@ def test_an_entry_with_a_bad_field_is_left_out(field, value):
 
 # -- the probe on a real directory ----------------------------------------------------------------
 
+def _probe_files_work_in(directory) -> bool:
+    """Whether ``directory`` holds O_TMPFILE files and moves bytes through O_DIRECT (not overlayfs, say)."""
+    try:
+        fd = os.open(str(directory), os.O_TMPFILE | os.O_RDWR)
+    except (OSError, AttributeError):
+        return False
+    try:
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def work(tmp_path):
+    if not _probe_files_work_in(tmp_path):
+        pytest.skip("this filesystem has no O_TMPFILE or no O_DIRECT: the probe measures nothing here")
     d = tmp_path / "ckpt"
     d.mkdir()
     return d
@@ -243,17 +268,25 @@ def test_the_probe_runs_each_process_on_the_threads_its_save_and_load_use(monkey
         DEFAULT_WORKERS, max(LocalStorage.read_concurrency, aligned.MIN_THREADS))
 
 
-def test_every_thread_of_every_stream_moves_bytes(work, monkeypatch):
-    monkeypatch.setattr(probe, "PROBE_BYTES", 8 << 20)
-    monkeypatch.setattr(probe, "MIN_PART", 4 << 20)
-    monkeypatch.setattr(probe, "ROUNDS", 1)
-    moved = []
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_every_thread_of_every_stream_moves_bytes(work, monkeypatch, n):
+    monkeypatch.setattr(probe, "PROBE_BYTES", (6 << 20) + 3 * 4096)  # parts that are no multiple of a block
+    monkeypatch.setattr(probe, "MIN_PART", 1 << 20)
+    by_thread: dict[str, int] = {}
     real = os.pwrite
-    monkeypatch.setattr(probe.os, "pwrite", lambda fd, v, o: (moved.append(len(v)), real(fd, v, o))[1])
+
+    def pwrite(fd, v, o):
+        got = real(fd, v, o)
+        by_thread[threading.current_thread().name] = by_thread.get(threading.current_thread().name, 0) + got
+        return got
+
+    monkeypatch.setattr(probe.os, "pwrite", pwrite)
     with probe._Probe(str(work), 3) as p:
-        p._write(direct=False)
-    assert sum(moved) == 3 * p._part  # every stream's whole part, the tail block too
-    assert len(moved) >= 3 * probe.threads(3, direct=False, write=True)
+        fds = [p._file() for _ in range(3)]
+        assert p._run(fds, n, "write", lambda h, v, o: os.pwrite(h, v, o), False) == []
+        sizes = [os.fstat(fd).st_size for fd in fds]
+    assert sizes == [p._part] * 3 and p._part % 4096 == 0  # every stream's whole part, the tail block too
+    assert len(by_thread) == 3 * n and sum(by_thread.values()) == 3 * p._part  # every thread moved bytes
 
 
 def test_a_cache_that_cannot_be_written_keeps_the_choice_in_the_process(work, tmp_path, monkeypatch, measured):
@@ -271,10 +304,66 @@ def test_a_directory_that_cannot_hold_a_probe_file_gets_the_default_for_a_while(
     assert "not measured" in found.choices["read"].why
     assert not measured.exists()  # an unmeasured default is never kept for other processes
     assert choice.device_modes(str(work)) is found  # not asked again at every file ...
-    monkeypatch.setattr(choice, "UNMEASURED_TTL_S", 0.0)
+    for key, (m, _) in list(choice._known.items()):
+        choice._known[key] = (m, 0.0)  # ... but once UNMEASURED_TTL_S has passed
     monkeypatch.setattr(probe, "PROBE_BYTES", 2 << 20)
-    assert choice.device_modes(str(work)).probes == 1  # ... but after a while
+    assert choice.device_modes(str(work)).probes == 1
     assert choice.use_direct(str(work / "missing"), "read") is (modes.DEFAULT == modes.DIRECT)
+
+
+def test_a_failed_probe_closes_every_file_it_opened(work, measured, monkeypatch):
+    before = set(os.listdir("/proc/self/fd"))
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return real(fd)
+
+    monkeypatch.setattr(probe.os, "fsync", fsync)
+    found = choice.device_modes(str(work))
+    assert found.probes == 0 and "quota" in found.choices["read"].why
+    assert set(os.listdir("/proc/self/fd")) <= before and not probe._open
+
+
+def test_running_out_of_descriptors_is_not_a_filesystem_refusing_direct_io(work, measured, monkeypatch):
+    def busy(fd, flags):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(probe, "reopen_direct", busy)
+    found = choice.device_modes(str(work))
+    assert found.probes == 0 and "O_DIRECT" not in found.choices["write"].why  # unmeasured, not buffered
+    assert not measured.exists()
+
+
+def test_a_failed_measurement_keeps_the_choice_in_force(work, measured, monkeypatch):
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED, age=modes.REPROBE_AFTER_S + 1))
+    monkeypatch.setattr(probe, "PROBE_BYTES", 1 << 50)  # the new measurement fails (no room)
+    found = choice.device_modes(str(work))
+    assert found.mode("read") == found.mode("write") == modes.BUFFERED  # the stale measured choice, not the default
+    assert choice.device_modes(str(work)) is found  # and it is not measured again at every file
+
+
+def test_a_lock_not_obtained_is_not_waited_for_at_every_file(work, tmp_path, measured, monkeypatch):
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.DIRECT, age=modes.REPROBE_AFTER_S + 1))
+    other = os.open(str(tmp_path / "probe.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    monkeypatch.setattr(choice, "LOCK_WAIT_S", 0.3)
+    waits = []
+    real = choice._take
+    monkeypatch.setattr(choice, "_take", lambda fd: (waits.append(fd), real(fd))[1])
+    try:
+        first = choice.device_modes(str(work))
+        assert first.mode("write") == modes.BUFFERED  # the stale cached choice, used while the lock is held
+        for _ in range(5):
+            assert choice.device_modes(str(work)) is first
+        assert len(waits) == 1
+    finally:
+        os.close(other)
 
 
 def test_a_network_filesystem_is_not_measured(work, measured, monkeypatch):
@@ -328,6 +417,7 @@ def _probe_in_child(directory: str, cache: str, lock: str, out) -> None:
     out.put((found.probed_at, found.probes))
 
 
+@pytest.mark.slow  # three processes importing torch: about 5 s
 def test_the_processes_of_a_node_measure_once(work, tmp_path, measured):
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -364,14 +454,20 @@ def test_a_forked_child_does_not_keep_the_probe_lock(work, tmp_path, measured, m
         up_r, up_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child (its fork handlers have run): says so, then waits until told to exit
-            os.close(w)
-            os.write(up_w, b"u")
-            os.read(r, 1)
-            os._exit(0)
-        os.close(r)
-        os.close(up_w)
-        assert os.read(up_r, 1) == b"u"
-        os.close(up_r)
+            try:
+                os.close(w)
+                os.write(up_w, b"u")
+                os.read(r, 1)
+            finally:
+                os._exit(0)
+        try:
+            os.close(r)
+            os.close(up_w)
+            assert os.read(up_r, 1) == b"u"
+            os.close(up_r)
+        except BaseException:
+            os.write(w, b"x")
+            raise
     try:
         fd = os.open(lock, os.O_RDWR)
         try:
@@ -391,11 +487,11 @@ def test_the_environment_forces_a_mode_without_measuring(monkeypatch, value, mod
     assert choice.forced() == mode
 
 
-def test_a_misspelt_forced_mode_is_warned_about_and_measured(monkeypatch):
+def test_a_misspelt_forced_mode_is_said_once_and_measured(monkeypatch, caplog):
     monkeypatch.setenv(choice.FORCE_ENV, "dirct")
-    choice._said.discard("dirct")
-    with pytest.warns(UserWarning, match="SHARDFMT_DIRECT_IO='dirct'"):
-        assert choice.forced() is None
+    monkeypatch.setattr(choice, "_said", set())
+    assert choice.forced() is None and choice.forced() is None
+    assert caplog.text.count("SHARDFMT_DIRECT_IO='dirct' is not one of 1, 0 or auto") == 1
 
 
 # -- saves and loads follow the choice -----------------------------------------------------------

@@ -27,7 +27,6 @@ import stat
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 
 from shardfmt.io import modes
@@ -46,7 +45,7 @@ _FORCED = {"1": modes.DIRECT, "true": modes.DIRECT, "yes": modes.DIRECT, "on": m
            "0": modes.BUFFERED, "false": modes.BUFFERED, "no": modes.BUFFERED, "off": modes.BUFFERED}
 
 _lock = threading.Lock()
-_known: dict[tuple[int, int], modes.DeviceModes] = {}  # (st_dev, processes) -> this process's answer
+_known: dict[tuple[int, int], tuple[modes.DeviceModes, float]] = {}  # (st_dev, processes) -> answer, asked again at
 _held: set[int] = set()  # the probe lock's descriptors open now: a forked child closes its copies
 _said: set[str] = set()  # warnings given once
 
@@ -104,11 +103,20 @@ def device_modes(directory: str, *, again: bool = False, processes: int | None =
     st = os.stat(directory)
     processes = local_processes() if processes is None else max(1, min(processes, modes.MAX_PROCESSES))
     with _lock:
-        known = _known.get((st.st_dev, processes))
-        if known is not None and not again and _fresh(known):
+        known, retry_at = _known.get((st.st_dev, processes), (None, 0.0))
+        if known is not None and not again and time.time() < retry_at:
             return known
-        found = _settle(directory, describe(directory, st.st_dev, processes), again=again, known=known)
-        _known[st.st_dev, processes] = found
+        device = describe(directory, st.st_dev, processes)
+        try:
+            found = _settle(directory, device, again=again, known=known)
+        except Exception as e:  # noqa: BLE001 - never a failed save; remembered, so not met at every file
+            found = unmeasured(device, f"{type(e).__name__}: {e}")
+        # a measured answer holds until it is stale; anything else (unmeasured, or stale and kept
+        # for want of a new measurement) is asked again after UNMEASURED_TTL_S, not at every file
+        now = time.time()
+        fresh = found.probes and not found.stale(now)
+        _known[st.st_dev, processes] = (found, found.probed_at + modes.REPROBE_AFTER_S if fresh
+                                        else now + UNMEASURED_TTL_S)
         return found
 
 
@@ -163,9 +171,8 @@ def describe(directory: str, dev: int, processes: int) -> modes.Device:
     return modes.Device(socket.gethostname(), number, *best, processes)
 
 
-def _fresh(m: modes.DeviceModes) -> bool:
-    now = time.time()
-    return not m.stale(now) if m.probes else 0 <= now - m.probed_at < UNMEASURED_TTL_S
+def _fresh(m: modes.DeviceModes | None) -> bool:
+    return m is not None and m.probes > 0 and not m.stale(time.time())
 
 
 def _settle(directory: str, device: modes.Device, *, again: bool,
@@ -175,24 +182,38 @@ def _settle(directory: str, device: modes.Device, *, again: bool,
     in force (the cache's, else this process's ``known``)."""
     path = cache_path()
     kept = (_read(path).get(device.key) if path else None) or (known if known is not None and known.probes else None)
-    if kept is not None and not again and _fresh(kept):
+    if not again and _fresh(kept):
         return kept
     if device.fstype in NETWORK_FS or device.fstype.startswith("fuse"):
         return kept or unmeasured(device, f"{device.fstype} is a network filesystem: every node would "
                                           f"measure at once, each measuring the others")
-    if path is None and device.processes > 1:
-        return kept or unmeasured(device, f"{CACHE_ENV}=off: the node's {device.processes} processes "
-                                          f"could not share one measurement")
+    if not _shareable(path) and device.processes > 1:
+        return kept or unmeasured(device, f"no cache document to keep it in ({path or CACHE_ENV + '=off'}): "
+                                          f"the node's {device.processes} processes could not share one measurement")
     with _locked(lock_path()) as held:
+        latest = (_read(path).get(device.key) if path else None) or kept  # measured while this one waited?
         if not held:
-            return kept or unmeasured(device, f"another process held {lock_path()} for {LOCK_WAIT_S:g} s")
-        now = (_read(path).get(device.key) if path else None) or kept  # measured while this one waited?
-        if now is not None and not again and _fresh(now):
-            return now
-        found = measure(directory, device, previous=now)
-        if path and found.probes:
+            return latest or unmeasured(device, f"another process held {lock_path()} for {LOCK_WAIT_S:g} s")
+        if not again and _fresh(latest):
+            return latest
+        found = measure(directory, device, previous=latest)
+        if not found.probes:
+            return latest or found  # a failed measurement keeps the choice in force
+        if path:
             _write(path, found)
         return found
+
+
+def _shareable(path: str | None) -> bool:
+    """Whether the node's processes can share a measurement through the document at ``path``."""
+    if path is None:
+        return False
+    folder = os.path.dirname(path) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK) and (not os.path.exists(path) or os.access(path, os.R_OK))
 
 
 @contextlib.contextmanager
@@ -201,16 +222,20 @@ def _locked(path: str) -> Iterator[bool]:
     is held. A lock file that cannot be opened or locked (another user's, no locks there) is
     not held."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NOCTTY", 0),
+                     0o600)
     except OSError:
         yield False
         return
     _held.add(fd)
     try:
-        yield _take(fd)
+        mine = not hasattr(os, "getuid") or os.fstat(fd).st_uid == os.getuid()  # another user's: not ours to wait on
+        yield mine and _take(fd)
     finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)  # released for every copy, a forked child's too
         _held.discard(fd)
-        os.close(fd)  # releases the lock
+        os.close(fd)
 
 
 def _take(fd: int) -> bool:
@@ -257,14 +282,17 @@ def _write(path: str, found: modes.DeviceModes) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(modes.encode(devices))
         os.replace(tmp, path)
+        tmp = None
     except (OSError, ValueError) as e:
         log.info("shardfmt: could not keep the I/O modes in %s: %s", path, e)
-        if tmp is not None:
+    finally:
+        if tmp is not None:  # never left behind, whatever stopped the write
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
 
 def _once(message: str) -> None:
+    """Log ``message`` once a process (a log record, not a warning: never an error under ``-W error``)."""
     if message not in _said:
         _said.add(message)
-        warnings.warn(message, stacklevel=4)
+        log.warning("shardfmt: %s", message)

@@ -10,7 +10,8 @@ in interleaved rounds, and ``choose`` turns the timings into a mode:
 - leaving the mode in force takes more than separating (hysteresis): the other way must be
   faster by ``MARGIN`` beyond its spread, so a device whose figures flip from run to run
   (this project's VM: the same load 1.2 s one run, 0.6 s the next) keeps one mode;
-- a device that refuses ``O_DIRECT`` (tmpfs, some network filesystems) reads and writes buffered.
+- a device that refuses ``O_DIRECT`` (some network filesystems; tmpfs before Linux 6.6) reads and
+  writes buffered.
 
 ``DEFAULT`` is direct: where the two measure alike it is the one that leaves the training
 job's page cache alone without extra work. Which way is ahead depends on the device and on
@@ -132,7 +133,8 @@ def decode(text: str | bytes) -> dict[str, DeviceModes]:
         doc = json.loads(text)
     except (ValueError, RecursionError):
         return {}
-    if not isinstance(doc, dict) or doc.get("kind") != KIND or doc.get("version") != VERSION:
+    if not isinstance(doc, dict) or doc.get("kind") != KIND or type(doc.get("version")) is not int \
+            or doc.get("version") != VERSION:
         return {}
     devices = doc.get("devices")
     out: dict[str, DeviceModes] = {}

@@ -11,6 +11,7 @@ hashes each block before it writes it, a load after it read it, as the library d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -92,6 +93,7 @@ class _Probe:
         self._streams = max(1, min(processes, modes.MAX_PROCESSES))
         part = max(PROBE_BYTES // self._streams, min(MIN_PART, PROBE_BYTES))
         self._part = max(DIRECT_ALIGN, part // DIRECT_ALIGN * DIRECT_ALIGN)  # bytes a stream moves
+        self._close(self._file())  # a directory that cannot hold a probe file fails here, before any memory
         st = os.statvfs(directory)
         if st.f_bavail * st.f_frsize < 4 * self._streams * self._part:
             raise OSError(errno.ENOSPC, f"less than {4 * self._streams * self._part >> 20} MiB free")
@@ -105,8 +107,9 @@ class _Probe:
         return self
 
     def __exit__(self, *exc) -> None:
-        for fd in self._fds:
-            self._close(fd)
+        while self._fds:
+            with contextlib.suppress(OSError):
+                self._close(self._fds[-1])
         self._buf = None  # unmapped once the last view of it goes (an error's traceback may hold one)
 
     def run(self) -> dict[str, tuple[list[float], list[float]]]:
@@ -168,53 +171,76 @@ class _Probe:
         direct = direct and op not in self._refused
         handles: list[int] = []
         try:
-            for fd in fds:
-                handles.append(reopen_direct(fd, os.O_WRONLY if op == "write" else os.O_RDONLY) if direct else fd)
-        except OSError:
-            direct = False
-            self._refused.add(op)
-        try:
+            try:
+                for fd in fds:
+                    if direct:
+                        handles.append(reopen_direct(fd, os.O_WRONLY if op == "write" else os.O_RDONLY))
+                        _open.add(handles[-1])
+            except OSError as e:
+                if e.errno not in _REFUSED:
+                    raise  # out of descriptors, memory...: nothing is measured, nothing is concluded
+                direct = False
+                self._refused.add(op)
             errors = self._run(handles if direct else fds, threads(self._streams, direct=direct, write=op == "write"),
-                               op, call)
+                               op, call, direct)
         finally:
-            for h in handles:
-                if h not in fds:
-                    os.close(h)
-        if errors and direct and isinstance(errors[0], OSError) and errors[0].errno == errno.EINVAL:
+            for h in handles:  # after every thread that used them has ended (``_run``)
+                _open.discard(h)
+                os.close(h)
+        if errors and direct and isinstance(errors[0], OSError) and errors[0].errno in _REFUSED:
             self._refused.add(op)  # the filesystem refuses O_DIRECT transfers: buffered then
             return self._transfer(fds, False, op, call)
         if errors:
             raise errors[0]
 
-    def _run(self, handles: list[int], n: int, op: str, call) -> list[BaseException]:
+    def _run(self, handles: list[int], n: int, op: str, call, direct: bool) -> list[BaseException]:
+        """Move every stream's blocks on ``n`` threads a stream; return their errors. Returns (or
+        raises) only once every thread started has ended: none outlives the descriptors it uses."""
         size = min(MAX_BLOCK, max(DIRECT_ALIGN, self._part // n // DIRECT_ALIGN * DIRECT_ALIGN))
         blocks = [(off, min(off + size, self._part)) for off in range(0, self._part, size)]
         errors: list[BaseException] = []
+        stop = threading.Event()
         mv = self._buf.mv
 
         def work(handle: int, mine: list[tuple[int, int]]) -> None:
             try:
                 for lo, hi in mine:
-                    if op == "write":
-                        _hash(mv[lo:hi])
                     done = lo
-                    while done < hi:
+                    while done < hi and not stop.is_set():
                         got = call(handle, mv[done:hi], done)
-                        if got <= 0 or (got % DIRECT_ALIGN and done + got < hi):
+                        if got <= 0 or (direct and got % DIRECT_ALIGN and done + got < hi):
                             raise OSError(errno.EIO, f"short transfer ({got} bytes)")
                         done += got
-                    if op == "read":
-                        _hash(mv[lo:hi])
+                    _hash(mv[lo:hi])  # a save hashes what it writes, a load what it read
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 errors.append(e)
+                stop.set()
 
-        workers = [threading.Thread(target=work, args=(h, blocks[j::n]), daemon=True)
-                   for h in handles for j in range(n)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        started: list[threading.Thread] = []
+        try:
+            for h in handles:
+                for j in range(n):
+                    started.append(threading.Thread(target=work, args=(h, blocks[j::n]), daemon=True))
+                    started[-1].start()
+        finally:
+            if len(started) < len(handles) * n:
+                stop.set()
+            for w in started:
+                _join(w)
         return errors
+
+
+_REFUSED = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+
+
+def _join(w: threading.Thread) -> None:
+    """Join ``w`` even through an exception raised while waiting (a signal handler's): the
+    thread must end before its descriptors close; the exception follows."""
+    try:
+        w.join()
+    except BaseException:
+        w.join()
+        raise
 
 
 def _hash(mv: memoryview) -> None:
