@@ -116,11 +116,20 @@ def test_compare_judges_two_runs_on_their_ratios_to_the_same_rounds_floor():
 # ----------------------------------------------------------------------------- plans
 
 
-def test_schedule_rotates_every_candidate_through_every_position():
+def test_schedule_moves_every_candidate_through_positions_and_predecessors():
     steps = plan.schedule(["a", "b", "c"], rounds=3, warmup=1)
     assert [r for r, _ in steps] == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
     firsts = [steps[k][1] for k in range(3, 12, 3)]
     assert sorted(firsts) == ["a", "b", "c"]
+    assert plan.orders(["x", "y"], 3) == [["x", "y"], ["y", "x"], ["x", "y"]]
+    for n, rounds, least in ((4, 5, 2), (5, 5, 3), (7, 6, 4)):
+        names = [f"c{k}" for k in range(n)]
+        orders = plan.orders(names, rounds)
+        assert all(sorted(o) == sorted(names) for o in orders)  # each candidate once a round
+        for name in names:
+            before = {o[o.index(name) - 1] for o in orders if o.index(name) > 0}
+            assert len(before) >= least, (name, orders)  # not always after the same candidate
+            assert len({o.index(name) for o in orders}) >= min(3, n - 1)
 
 
 def test_jobs_share_a_process_per_world_and_check_what_loads_read():

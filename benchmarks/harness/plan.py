@@ -1,14 +1,18 @@
 """From a scenario and the command line to jobs: which processes run which steps. Pure.
 
 ``schedule``: rounds ``1 - warmup .. rounds`` (rounds <= 0 are warm-up: recorded, never
-judged); each round runs every candidate once, the list rotated by the round number, so
-every candidate and floor takes every position in turn. ``plan_jobs``: consecutive phases on
+judged); each round runs every candidate once, in an order that changes both where each
+candidate runs and which one runs just before it (``orders``): a plain rotation keeps the
+neighbours fixed, so a candidate that always follows the same one would carry whatever that
+one leaves behind (the page cache, memory handed back to the host) in every round. ``plan_jobs``: consecutive phases on
 the same world share one job (one process per rank, kept across phases); a
 ``fresh_process`` phase gets one job per step. Checks every candidate fits its phase.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,14 +49,43 @@ class Job:
     phases: tuple[PhaseSteps, ...]
 
 
-def rotate(names: Sequence[str], k: int) -> list[str]:
+def orders(names: Sequence[str], count: int) -> list[list[str]]:
+    """``count`` rounds' orders of ``names``: each round, of the orders (all of them for up to
+    ``GREEDY_MAX`` names, else ``count`` stepped walks), the first that puts the most candidates
+    at a position, and after a candidate, they have not had yet; the first round keeps the
+    declared order. Deterministic."""
     names = list(names)
-    k %= len(names)
-    return names[k:] + names[:k]
+    n = len(names)
+    seen_at: set[tuple[str, int]] = set()
+    seen_after: set[tuple[str, str]] = set()
+    out: list[list[str]] = []
+    for r in range(count):
+        pool = itertools.permutations(names) if n <= GREEDY_MAX else (_walk(names, k) for k in range(max(1, count)))
+        best = list(names) if r == 0 else max(pool, key=lambda o: _novelty(o, seen_at, seen_after))
+        out.append(list(best))
+        seen_at.update((x, i) for i, x in enumerate(best))
+        seen_after.update((x, best[i - 1]) for i, x in enumerate(best) if i)
+    return out
+
+
+GREEDY_MAX = 7  # names whose every order is tried (7! = 5040)
+
+
+def _novelty(o: Sequence[str], seen_at: set, seen_after: set) -> int:
+    return (2 * sum((x, i) not in seen_at for i, x in enumerate(o))  # positions first, then neighbours
+            + sum((x, o[i - 1]) not in seen_after for i, x in enumerate(o) if i))
+
+
+def _walk(names: list[str], k: int) -> tuple[str, ...]:
+    n = len(names)
+    steps = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    step = steps[k % len(steps)]
+    return tuple(names[(k + i * step) % n] for i in range(n))
 
 
 def schedule(names: Sequence[str], *, rounds: int, warmup: int) -> list[tuple[int, str]]:
-    return [(r, n) for r in range(1 - warmup, rounds + 1) for n in rotate(names, r)]
+    rs = list(range(1 - warmup, rounds + 1))
+    return [(r, n) for r, o in zip(rs, orders(names, len(rs))) for n in o]
 
 
 def world_of(sc: Scenario, phase: Phase, opts: Options) -> int:
