@@ -88,9 +88,8 @@ def _io_modes(scratch: str) -> list[dict]:
             found = modes.decode(f.read(modes.MAX_DOCUMENT))
     except OSError:
         return []
-    return [{"processes": m.device.processes, "fstype": m.device.fstype,
-             **{op: {"mode": c.mode, "why": c.why, "direct_s": list(c.direct_s), "buffered_s": list(c.buffered_s)}
-                for op, c in sorted(m.choices.items())}} for m in sorted(found.values(), key=lambda m: m.device.key)]
+    entries = (modes.entry(m) for m in sorted(found.values(), key=lambda m: m.device.key))
+    return [{"processes": e["processes"], "fstype": e["fstype"], **e["choices"]} for e in entries]
 
 
 def _run_jobs(sc: Scenario, opts: Options, scratch: str, timeout: float) -> list[dict]:

@@ -49,6 +49,9 @@ class Job:
     phases: tuple[PhaseSteps, ...]
 
 
+GREEDY_MAX = 7  # names whose every order is tried (7! = 5040)
+
+
 def orders(names: Sequence[str], count: int) -> list[list[str]]:
     """``count`` rounds' orders of ``names``: each round, of the orders (all of them for up to
     ``GREEDY_MAX`` names, else ``count`` stepped walks), the first that puts the most candidates
@@ -66,9 +69,6 @@ def orders(names: Sequence[str], count: int) -> list[list[str]]:
         seen_at.update((x, i) for i, x in enumerate(best))
         seen_after.update((x, best[i - 1]) for i, x in enumerate(best) if i)
     return out
-
-
-GREEDY_MAX = 7  # names whose every order is tried (7! = 5040)
 
 
 def _novelty(o: Sequence[str], seen_at: set, seen_after: set) -> int:

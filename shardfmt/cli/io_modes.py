@@ -19,8 +19,7 @@ def cmd_io_modes(args) -> int:
     found = choice.device_modes(args.dir, again=args.again, processes=args.processes)
     forced = choice.forced()
     if args.json:
-        doc = json.loads(modes.encode({found.device.key: found}))["devices"][0]
-        print(json.dumps({**doc, "forced": forced, "cache": choice.cache_path()}, indent=1, sort_keys=True))
+        print(json.dumps({**modes.entry(found), "forced": forced, "cache": choice.cache_path()}, indent=1, sort_keys=True))
         return 0
     d = found.device
     print(f"{args.dir}: {d.fstype} on {d.mount} (device {d.device}, host {d.host}), "

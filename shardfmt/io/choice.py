@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 from shardfmt.io import modes
 from shardfmt.io.posix import CLOEXEC
-from shardfmt.io.probe import measure, unmeasured
+from shardfmt.io.probe import local_processes, measure, unmeasured
 
 log = logging.getLogger("shardfmt")
 
@@ -113,21 +113,9 @@ def device_modes(directory: str, *, again: bool = False, processes: int | None =
             found = unmeasured(device, f"{type(e).__name__}: {e}")
         # a measured answer holds until it is stale; anything else (unmeasured, or stale and kept
         # for want of a new measurement) is asked again after UNMEASURED_TTL_S, not at every file
-        now = time.time()
-        fresh = found.probes and not found.stale(now)
-        _known[st.st_dev, processes] = (found, found.probed_at + modes.REPROBE_AFTER_S if fresh
-                                        else now + UNMEASURED_TTL_S)
+        _known[st.st_dev, processes] = (found, found.probed_at + modes.REPROBE_AFTER_S if _fresh(found)
+                                        else time.time() + UNMEASURED_TTL_S)
         return found
-
-
-def local_processes() -> int:
-    """The processes of this node that save and load at once: ``LOCAL_WORLD_SIZE`` (torchrun
-    sets it), else 1."""
-    try:
-        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-    return max(1, min(n, modes.MAX_PROCESSES))
 
 
 def cache_path() -> str | None:

@@ -23,6 +23,7 @@ from shardfmt.io.posix import (
     OPEN_DIR,
     WRITEBACK_BYTES,
     direct_transfer,
+    fadvise,
     open_below,
     open_regular,
     refusal,
@@ -129,7 +130,7 @@ class _LocalWriter:
         try:
             if sync:
                 os.fsync(self._fd)
-                _uncache(self._fd)
+                fadvise(self._fd, 0, 0, "DONTNEED")
         except OSError as e:
             raise storage_error(self._path, e, "fsync") from None
         finally:
@@ -141,13 +142,6 @@ class _LocalWriter:
             os.close(self._fd)
         except OSError:
             pass
-
-
-def _uncache(fd: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
 
 
 class _LocalReader:
@@ -216,18 +210,12 @@ class _LocalReader:
 
     def prefetch(self, offset: int, length: int) -> None:
         """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait)."""
-        try:
-            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_WILLNEED)
-        except (OSError, AttributeError):
-            pass
+        fadvise(self._fd, offset, length, "WILLNEED")
 
     def release(self, offset: int, length: int) -> None:
         """Tell the kernel ``[offset, offset + length)`` is done with (``POSIX_FADV_DONTNEED``):
         its clean pages leave the page cache, which keeps what the training job cached."""
-        try:
-            os.posix_fadvise(self._fd, offset, length, os.POSIX_FADV_DONTNEED)
-        except (OSError, AttributeError):
-            pass
+        fadvise(self._fd, offset, length, "DONTNEED")
 
     def close(self) -> None:
         dfd, self._dfd = self._dfd, None

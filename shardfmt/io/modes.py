@@ -148,22 +148,24 @@ def decode(text: str | bytes) -> dict[str, DeviceModes]:
 def encode(devices: Mapping[str, DeviceModes]) -> str:
     """The cache document for ``devices`` (the ``MAX_DEVICES`` most recently probed), sorted by key."""
     kept = sorted(devices.values(), key=lambda m: m.probed_at, reverse=True)[:MAX_DEVICES]
-    entries = [{
-        "host": m.device.host, "device": m.device.device, "fstype": m.device.fstype, "mount": m.device.mount,
-        "processes": m.device.processes,
-        "probed_at": m.probed_at, "probes": m.probes,
-        "choices": {op: {"mode": c.mode, "why": c.why, "direct_s": list(c.direct_s), "buffered_s": list(c.buffered_s)}
-                    for op, c in sorted(m.choices.items())},
-    } for m in sorted(kept, key=lambda m: m.device.key)]
+    entries = [entry(m) for m in sorted(kept, key=lambda m: m.device.key)]
     return json.dumps({"kind": KIND, "version": VERSION, "devices": entries}, indent=1, sort_keys=True) + "\n"
 
 
-def _entry(entry) -> DeviceModes | None:
-    if not isinstance(entry, dict):
+def entry(m: DeviceModes) -> dict:
+    """``m`` as a cache document's entry (JSON-able)."""
+    return {"host": m.device.host, "device": m.device.device, "fstype": m.device.fstype, "mount": m.device.mount,
+            "processes": m.device.processes, "probed_at": m.probed_at, "probes": m.probes,
+            "choices": {op: {"mode": c.mode, "why": c.why, "direct_s": list(c.direct_s),
+                             "buffered_s": list(c.buffered_s)} for op, c in sorted(m.choices.items())}}
+
+
+def _entry(raw) -> DeviceModes | None:
+    if not isinstance(raw, dict):
         return None
-    names = [entry.get(k) for k in ("host", "device", "fstype", "mount")]
-    probed_at, probes, choices = entry.get("probed_at"), entry.get("probes", 1), entry.get("choices")
-    processes = entry.get("processes", 1)
+    names = [raw.get(k) for k in ("host", "device", "fstype", "mount")]
+    probed_at, probes, choices = raw.get("probed_at"), raw.get("probes", 1), raw.get("choices")
+    processes = raw.get("processes", 1)
     if not all(isinstance(n, str) for n in names) or not isinstance(choices, dict):
         return None
     if not isinstance(processes, int) or isinstance(processes, bool) or not 1 <= processes <= MAX_PROCESSES:

@@ -152,6 +152,15 @@ def sync_file_range(fd: int, offset: int, nbytes: int) -> None:
     fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, don't wait
 
 
+def fadvise(fd: int, offset: int, length: int, advice: str) -> None:
+    """``posix_fadvise(fd, offset, length, POSIX_FADV_<advice>)`` where the OS has it (a hint:
+    never an error; ``length`` 0 is to the end of the file)."""
+    try:
+        os.posix_fadvise(fd, offset, length, getattr(os, f"POSIX_FADV_{advice}"))
+    except (OSError, AttributeError):
+        pass
+
+
 def direct_transfer(call, mv: memoryview, offset: int, want: int, path: str, what: str,
                      count: Callable[..., None]) -> tuple[int, bool]:
     """Move ``want`` bytes between ``mv`` and the file at ``offset`` with ``call(view, offset) -> n``

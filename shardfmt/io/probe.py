@@ -23,7 +23,7 @@ from shardfmt.errors import StorageError
 from shardfmt.format.hashing import DEFAULT_CHUNK_SIZE, xxh3_raw
 from shardfmt.io import modes
 from shardfmt.io.aligned import DIRECT_ALIGN, MAX_BLOCK, MIN_THREADS, Bounce
-from shardfmt.io.posix import CLOEXEC, reopen_direct
+from shardfmt.io.posix import CLOEXEC, fadvise, reopen_direct
 
 log = logging.getLogger("shardfmt")
 
@@ -71,9 +71,19 @@ def unmeasured(device: modes.Device, why: str) -> modes.DeviceModes:
     return modes.DeviceModes(device, {op: c for op in modes.OPERATIONS}, time.time(), probes=0)
 
 
+def local_processes() -> int:
+    """The processes of this node that save and load at once: ``LOCAL_WORLD_SIZE`` (torchrun
+    sets it), else 1."""
+    try:
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+    return max(1, min(n, modes.MAX_PROCESSES))
+
+
 def threads(processes: int, *, direct: bool, write: bool) -> int:
     """A process's transfer threads, as the executors run them: its share of the cores (a save:
-    ``saving.shard_file.default_write_workers``) or the cores (a load: ``LocalStorage.read_concurrency``
+    ``saving.shard_file.default_write_workers`` is this rule) or the cores (a load: ``LocalStorage.read_concurrency``
     capped by ``LoadOptions.workers``), at most ``MIN_THREADS``; at least ``MIN_THREADS`` for
     direct transfers, which mostly wait on the device."""
     cores = os.cpu_count() or 1
@@ -159,7 +169,7 @@ class _Probe:
         t = time.perf_counter()
         if not direct:
             for fd in fds:
-                _advise(fd, getattr(os, "POSIX_FADV_WILLNEED", 3))
+                fadvise(fd, 0, 0, "WILLNEED")
         self._transfer(fds, direct, "read", lambda h, v, o: os.preadv(h, [v], o))
         if not direct:
             for fd in fds:
@@ -248,12 +258,5 @@ def _hash(mv: memoryview) -> None:
         xxh3_raw(mv[k:k + DEFAULT_CHUNK_SIZE])
 
 
-def _advise(fd: int, advice: int) -> None:
-    try:
-        os.posix_fadvise(fd, 0, 0, advice)
-    except (OSError, AttributeError):
-        pass
-
-
 def _drop(fd: int) -> None:
-    _advise(fd, getattr(os, "POSIX_FADV_DONTNEED", 4))
+    fadvise(fd, 0, 0, "DONTNEED")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from shardfmt.format.manifest import FileRecord, Placement, ShardRecord
 from shardfmt.format.safetensors import EncodedHeader, ShardOrigin, encode_header, encode_origins
 from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_view, is_direct
 from shardfmt.io import aligned as aligned_io
+from shardfmt.io import probe
 from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.store import Storage
 from shardfmt.saving.messages import WrittenFile
@@ -481,9 +481,9 @@ def _gather(segments: list[tuple[int, memoryview, Callable | None]], i: int, pos
 
 
 def default_write_workers() -> int:
-    """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(4, (os.cpu_count() or 1) // local))
+    """Writer threads per rank: the cores this rank may use (``LOCAL_WORLD_SIZE`` share), 1 to 4
+    (``io.probe.threads``, the rule the I/O probe measures with)."""
+    return probe.threads(probe.local_processes(), direct=False, write=True)
 
 
 __all__ = ["FileStream", "ShardData", "ShardSpec", "ShardStream", "WrittenFile", "default_write_workers", "file_order",
