@@ -106,8 +106,10 @@ def sf_async(c: Call, stage: str = "call") -> dict:
 
 def sf_load(c: Call, max_gap: int | None = None, share_reads: bool | None = None, workers: int | None = None) -> dict:
     rep = shardfmt.load(c.built.state, c.src, max_gap=max_gap, share_reads=share_reads, workers=workers)
+    # read_direct: 1 where the large reads of files read whole went around the page cache (the trial's outcome)
+    direct = rep.read_mode is not None and rep.read_mode.mode == "direct"
     return {"bytes_read": rep.bytes_read, "bytes_needed": rep.bytes_needed, "read_requests": rep.read_requests,
-            **{f"{phase}_s": seconds for phase, seconds in rep.phases.items()}}
+            "read_direct": 1.0 if direct else 0.0, **{f"{phase}_s": seconds for phase, seconds in rep.phases.items()}}
 
 
 def io_mode(mode: str, run: Callable[[Call], Any]) -> Callable[[Call], Any]:

@@ -25,7 +25,7 @@ if ROOT not in sys.path:  # measure this checkout, as the workers do, whatever i
     sys.path.insert(0, ROOT)
 
 from benchmarks.harness import driver  # noqa: E402
-from benchmarks.harness.plan import Options  # noqa: E402
+from benchmarks.harness.plan import SETTLE_S, Options  # noqa: E402
 from benchmarks.harness.registry import all_scenarios  # noqa: E402
 from benchmarks.harness.verdict import SPREADS  # noqa: E402
 
@@ -50,9 +50,10 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=None, help="processes of the phases that use the scenario's ranks")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     p.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True, help="durable saves (default on)")
-    p.add_argument("--settle", type=float, default=0.0,
-                   help="seconds every rank idles before each measured call, so each starts from the same memory "
-                        "state (a VM that hands freed memory back to its host slows the next call's first touches)")
+    p.add_argument("--settle", type=float, default=None,
+                   help=f"seconds every rank idles before each measured call, so each starts from the same memory "
+                        f"state (a VM that hands memory freed 2 s ago back to its host slows the next call's first "
+                        f"touches of it; default {SETTLE_S:g}, --quick: 0)")
     p.add_argument("--spread", choices=SPREADS, default="iqr", help="the spread verdicts are judged on (default iqr)")
     p.add_argument("--json", default=None, help="write the report and every record here")
     p.add_argument("--dir", default=None, help="scratch parent directory (default: the temp dir, unless tmpfs)")
@@ -67,8 +68,9 @@ def main(argv=None) -> int:
     sc = scenarios[a.scenario]
     rounds = a.rounds or (2 if a.quick else 5)
     warmup = a.warmup if a.warmup is not None else (0 if a.quick else 1)
-    if rounds < 1 or warmup < 0 or (a.ranks is not None and a.ranks < 1):
-        p.error("--rounds and --ranks must be >= 1, --warmup >= 0")
+    settle = a.settle if a.settle is not None else (0.0 if a.quick else SETTLE_S)
+    if rounds < 1 or warmup < 0 or settle < 0 or (a.ranks is not None and a.ranks < 1):
+        p.error("--rounds and --ranks must be >= 1, --warmup and --settle >= 0")
     if a.device == "cuda":
         import torch
 
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
             return 2
     size = a.size_mib or (sc.state.quick_mib if a.quick else sc.state.size_mib)
     opts = Options(size_mib=size, rounds=rounds, warmup=warmup, device=a.device, fsync=a.fsync, ranks=a.ranks,
-                   settle=a.settle)
+                   settle=settle)
     return driver.run(sc, opts, json_out=a.json, scratch_dir=a.dir, spread=a.spread, timeout=a.job_timeout)
 
 

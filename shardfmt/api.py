@@ -19,6 +19,7 @@ from shardfmt.errors import ShardfmtError
 from shardfmt.format.manifest import Manifest
 from shardfmt.format.stats import EXTENSION as STATS_EXTENSION
 from shardfmt.format.stats import from_extension_value
+from shardfmt.io.modes import Choice
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
 from shardfmt.loading.executor import Executor, release
@@ -58,6 +59,8 @@ class LoadReport:
     # too, left cached (the rest is dropped as read); ``release_cached(source, cached)`` drops them
     cached: tuple[tuple[str, int, int], ...] = ()
     source: str = ""  # the checkpoint read (the path given, or the committed copy a crashed replace left)
+    # how the large reads of files read (nearly) whole went, direct or buffered, and why (``loading.trial``)
+    read_mode: Choice | None = None
 
 
 # ----------------------------------------------------------------------------- save
@@ -248,6 +251,7 @@ def load(
         metadata_reads=before["read_requests"] - opened["read_requests"],
         value_stats=tally.result() if tally is not None else {},
         phases=dict(clock.seconds),
+        read_mode=executor.trial.outcome,
         cached=tuple(sorted(executor.cached)),
         source=storage.url(ckpt.path),
     )

@@ -222,8 +222,8 @@ def test_one_scenario_end_to_end_writes_medians_spreads_and_verdicts(tmp_path, c
     from benchmarks import run as bench
 
     out = tmp_path / "report.json"
-    rc = bench.main(["save-load", "--size-mib", "2", "--rounds", "3", "--warmup", "0", "--json", str(out),
-                     "--dir", str(tmp_path)])
+    rc = bench.main(["save-load", "--size-mib", "2", "--rounds", "3", "--warmup", "0", "--settle", "0",
+                     "--json", str(out), "--dir", str(tmp_path)])
     text = capsys.readouterr().out
     assert rc in (0, 1), text[-3000:]
     rep = json.loads(out.read_text())

@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from .. import candidates
 from .model import Phase, Scenario
 
+# Seconds every rank idles before a measured call. This project's VM hands memory freed ~2 s ago
+# back to its host (virtio-balloon free page reporting), and the next touches of it cost ~1 s of
+# CPU per GiB: a buffered read into page-cache pages freed just before ran 0.65 s, the same read
+# 5 s later 1.24 s (benchmarks/README.md, session 19). Idling first puts every call in that state.
+SETTLE_S = 3.0
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Options:
@@ -30,7 +36,7 @@ class Options:
     device: str = "cpu"
     fsync: bool = True
     ranks: int | None = None     # overrides the scenario's ranks (phases without a world of their own)
-    settle: float = 0.0          # seconds every rank idles before each measured call
+    settle: float = SETTLE_S     # seconds every rank idles before each measured call
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -147,16 +147,18 @@ class _LocalWriter:
 class _LocalReader:
     """Ranged reads of one regular file, opened once (``open_regular``: ``within`` as there)."""
 
-    __slots__ = ("_fd", "_dfd", "_direct", "_lock", "_path", "_stats", "size")
+    __slots__ = ("_fd", "_dfd", "_chosen", "_refused", "_lock", "_path", "_stats", "size", "device")
 
     def __init__(self, path: str, stats: IOStats, *, within: str | None = None) -> None:
         self._path = path
         self._stats = stats
-        self._dfd: int | None = None  # the O_DIRECT handle, opened at the first block read
-        self._direct: bool | None = None  # None: not asked yet (``io.choice``, at the first question)
+        self._dfd: int | None = None  # the O_DIRECT handle, opened when first wanted
+        self._chosen: bool | None = None  # the device's choice (``io.choice``); None: not asked yet
+        self._refused = False  # the filesystem refused O_DIRECT on this file (at the open or a read)
         self._lock = threading.Lock()
         self._fd, st = open_regular(path, within=within)
         self.size = st.st_size
+        self.device = st.st_dev  # the device the file is on (a load tries both ways on one device at a time)
 
     def readinto(self, offset: int, buffers: Sequence[memoryview]) -> None:
         want = sum(len(b) for b in buffers)
@@ -180,29 +182,40 @@ class _LocalReader:
 
     @property
     def direct(self) -> bool:
-        """Whether ``read_block`` goes around the page cache (``O_DIRECT``): where the device
-        reads faster so (``io.choice``); the handle is opened at the first question, on the file
-        already open (False where the filesystem refuses it)."""
+        """Whether ``read_block`` goes around the page cache (``O_DIRECT``) by the device's
+        choice: where it reads faster so (``io.choice``), and the filesystem allows it (the
+        handle is opened at the first question, on the file already open)."""
         with self._lock:
-            if self._direct is None:
-                self._direct = use_direct(os.path.dirname(self._path) or ".", "read")
-            if self._dfd is None and self._direct:
+            if self._chosen is None:
+                self._chosen = use_direct(os.path.dirname(self._path) or ".", "read")
+        return self._chosen and self.can_direct()
+
+    def can_direct(self) -> bool:
+        """Whether ``read_block`` can go around the page cache, whatever the device's choice:
+        the ``O_DIRECT`` handle is opened here if it is not yet (False where the filesystem
+        refuses it). A load that tries both ways (``loading.trial``) asks this."""
+        with self._lock:
+            if self._dfd is None and not self._refused:
                 try:
                     self._dfd = reopen_direct(self._fd, os.O_RDONLY)
                 except OSError:
-                    self._direct = False
-        return self._direct
+                    self._refused = True
+            return self._dfd is not None and not self._refused
 
     def read_block(self, offset: int, buffer: memoryview, nbytes: int) -> None:
         """Read the ``nbytes`` at ``offset`` into the start of ``buffer``, where ``offset``, the
         address of ``buffer`` and its length are multiples of ``DIRECT_ALIGN`` and its length
         covers ``nbytes`` (the rest of it may be overwritten): straight from the device where
-        the filesystem allows, else through the page cache. Only the whole blocks holding
-        the ``nbytes`` are read, however long ``buffer`` is."""
-        if self.direct:
+        the handle is open (``can_direct``) or the device's choice is direct, else through the
+        page cache. Only the whole blocks holding the ``nbytes`` are read, however long
+        ``buffer`` is."""
+        if (self._dfd is not None and not self._refused) or self.direct:
             blocks = buffer[:-(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN]
-            got, self._direct = direct_transfer(lambda v, o: os.preadv(self._dfd, [v], o), blocks, offset, nbytes,
-                                                 self._path, "read", self._stats.add_read)
+            got, ok = direct_transfer(lambda v, o: os.preadv(self._dfd, [v], o), blocks, offset, nbytes,
+                                      self._path, "read", self._stats.add_read)
+            if not ok:
+                with self._lock:
+                    self._refused = True
             if got >= nbytes:
                 return
             buffer, offset, nbytes = buffer[got:], offset + got, nbytes - got

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -26,7 +27,7 @@ from shardfmt.format import refs
 from shardfmt.format.hashing import ChunkGrid, ChunkHasher
 from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
-from shardfmt.io import aligned
+from shardfmt.io import aligned, choice, modes
 from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.store import FileReader, Storage
 from shardfmt.loading.options import LoadOptions
@@ -34,6 +35,7 @@ from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
 from shardfmt.loading.shared import Share
 from shardfmt.loading.tally import Tally
 from shardfmt.loading.targets import ReadTarget
+from shardfmt.loading.trial import ModeTrial
 
 READ_PIECE = 8 << 20  # read and hash in pieces that stay in cache
 IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
@@ -206,6 +208,7 @@ class Executor:
         self.follow_links = follow_links
         self.tally = tally
         self.cached: list[tuple[str, int, int]] = []  # (file, start, end) read through the page cache, kept
+        self.trial = ModeTrial(modes.BUFFERED, tried=False)  # how the last run's large reads went (``loading.trial``)
         self._cached_lock = threading.Lock()
         self._drops: _Drops | None = None
         self._given = tuple(bounce_buffers)
@@ -223,29 +226,32 @@ class Executor:
             self._free.put(b)
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         drops = self._drops = _Drops(readers)
-        around: list[bool] = []
+        hinted: list[bool] = []
         ahead: _ReadAhead | None = None
         try:
-            whole = _read_whole(plan)
-            # a reader with no ``direct`` (an object store's, a node part's file from the root's copy) reads buffered
-            around = [r.file in whole and self._around_cache(r) and getattr(readers.get(r.file), "direct", False)
-                      for r in plan.reads]
-            ahead = _ReadAhead([None if a else r for a, r in zip(around, plan.reads)], readers, PREFETCH_WINDOW)
+            eligible = self._eligible(plan, readers)
+            self.trial = self._trial_for(plan, readers, eligible)
+            # each read around the page cache or not (None: as the trial says, when it starts)
+            ways: list[bool | None] = [None if e and self.trial.tried else e and readers.get(r.file).direct
+                                       for e, r in zip(eligible, plan.reads)]
+            # the kernel is asked to fetch ahead what goes through the page cache for sure
+            hinted = [w is False for w in ways]
+            ahead = _ReadAhead([r if h else None for h, r in zip(hinted, plan.reads)], readers, PREFETCH_WINDOW)
             # direct reads mostly wait on the device: more of them keep its queue full
             concurrency = self.storage.read_concurrency
-            if any(around):
+            if not all(hinted):
                 concurrency = max(concurrency, aligned.MIN_THREADS)
             workers = min(self.workers, len(plan.reads), concurrency)
             if workers <= 1:
                 for k, r in enumerate(plan.reads):
                     ahead.starting(k)
-                    self._one(r, readers, plan.verify, around=around[k])
+                    self._one(r, readers, plan.verify, around=ways[k])
             else:
-                self._run_pool(plan, readers, ahead, around, workers)
+                self._run_pool(plan, readers, ahead, ways, workers)
         except BaseException:
             # a failed read's bytes, and those read ahead for reads that never ran, are cached too
             asked = 0 if ahead is None else ahead.asked
-            drops.keep([r for r, a in zip(plan.reads[:asked], around) if not a and self._sole(r)])
+            drops.keep([r for r, h in zip(plan.reads[:asked], hinted) if h and self._sole(r)])
             drops.finish(quiet=True)  # never in place of the error
             raise
         else:
@@ -262,6 +268,7 @@ class Executor:
         member's, at the same read."""
         self._files, self._grids = plan.files, plan.grids
         self.cached = []
+        self.trial = ModeTrial(modes.BUFFERED, tried=False, why="a read group's owner reads through the page cache")
         mine = [k for k, o in enumerate(share.owners) if o == share.me]
         readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         workers = max(1, min(self.workers, self.storage.read_concurrency, len(mine)))
@@ -313,11 +320,11 @@ class Executor:
             if tally is not None and tally.counts(it.target):
                 tally.filled(t, it, dst)
 
-    def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, around: list[bool],
+    def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, ways: list[bool | None],
                   workers: int) -> None:
         """Run the reads on ``workers`` threads; raise the first read's error once all are done."""
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
-            futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=around[k])
+            futures = [ex.submit(self._one, r, readers, plan.verify, ahead, k, around=ways[k])
                        for k, r in enumerate(plan.reads)]
             errors = []
             for f in futures:
@@ -348,12 +355,68 @@ class Executor:
             return False
         return self._direct_ok(read)
 
+    def _eligible(self, plan: LoadPlan, readers: _Readers) -> list[bool]:
+        """Which reads may go around the page cache: large reads from files the process reads
+        (nearly) whole (``_read_whole``, ``_around_cache``), on a reader that has direct reads
+        (a local file's; an object store's has none); none where buffered is forced."""
+        if choice.forced() == modes.BUFFERED:
+            return [False] * len(plan.reads)
+        whole = _read_whole(plan)
+        return [r.file in whole and self._around_cache(r) and hasattr(readers.get(r.file), "can_direct")
+                for r in plan.reads]
+
+    def _trial_for(self, plan: LoadPlan, readers: _Readers, eligible: list[bool]) -> ModeTrial:
+        """How the eligible reads go (``loading.trial``): tried both ways where the load is large,
+        its files are on one device that can read them direct and nothing is forced; else each
+        its device's choice (the outcome names the first file's)."""
+        files = sorted({r.file for r, e in zip(plan.reads, eligible) if e})
+        if choice.forced() == modes.BUFFERED:
+            return ModeTrial.for_load(modes.BUFFERED, len(files), modes.BUFFERED)
+        if not files:
+            return ModeTrial(modes.BUFFERED, tried=False, why="no read may go around the page cache")
+        first = readers.get(files[0])
+        start = modes.DIRECT if first.direct else modes.BUFFERED
+        if len({getattr(readers.get(f), "device", None) for f in files}) > 1:
+            return ModeTrial(start, tried=False, why="files on several devices: each read its device's choice")
+        trial = ModeTrial.for_load(start, sum(eligible), choice.forced())
+        if trial.tried and not all(readers.get(f).can_direct() for f in files):
+            return ModeTrial(start, tried=False, why="a file cannot be read around the page cache: not tried")
+        return trial
+
     def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
-             ahead: _ReadAhead | None = None, k: int = 0, *, around: bool = False) -> None:
-        """Do one physical read; ``around``: it goes around the page cache (``_around_cache``)."""
+             ahead: _ReadAhead | None = None, k: int = 0, *, around: bool | None = False) -> None:
+        """Do one physical read; ``around``: around the page cache or not, None: the way the
+        load's trial says (timed for it where the read is one of the tried)."""
         if ahead is not None:
             ahead.starting(k)
         reader = readers.get(read.file)
+        mode, timed = self.trial.next_mode() if around is None else ("", False)
+        if around is None:
+            around = mode == modes.DIRECT
+            if timed and around:
+                with aligned.POOL.buffer(_direct_block(read)):
+                    pass  # its bounce buffer made now, not in the time the trial counts
+        t0 = time.perf_counter()
+        try:
+            self._move(read, reader, verify, around=around)
+        except BaseException:
+            if timed:
+                self.trial.failed(mode)
+            if not around and self._drops is not None and self._sole(read):
+                self._drops.keep([read])  # what it read is cached: dropped as the run ends
+            raise
+        seconds = time.perf_counter() - t0
+        went_around = around and reader.can_direct()  # planned direct, read through the cache
+        if not went_around:
+            self._read_through_cache(reader, read)
+        if timed:
+            if around and not went_around:
+                self.trial.refused()
+            else:
+                self.trial.timed(mode, read.byte_range.length, seconds)
+
+    def _move(self, read: PhysicalRead, reader: FileReader, verify: bool, *, around: bool) -> None:
+        """Read ``read`` into its targets; ``around``: around the page cache."""
         start, end = read.byte_range.start, read.byte_range.end
         if self._direct_ok(read):
             segments: list[memoryview] = []
@@ -375,8 +438,6 @@ class Executor:
             buf = self._bounce(end - start)
             self._read(reader, read, [byte_view(buf)], verify)
             self._scatter(read, buf)
-        if not around or not getattr(reader, "direct", False):  # planned direct, read through the cache
-            self._read_through_cache(reader, read)
 
     def _read_through_cache(self, reader: FileReader, read: PhysicalRead) -> None:
         """``read`` went through the page cache: drop its pages when the run ends if no other
@@ -508,6 +569,12 @@ class Executor:
                                  f"the chunk grid has {len(span)} there")
 
 
+def _direct_block(read: PhysicalRead) -> int:
+    """The block (and bounce buffer) ``_read_direct`` moves ``read`` in: the read's size at most."""
+    start = read.byte_range.start
+    return aligned.bounce_size(64 * (read.byte_range.end - start + start % DIRECT_ALIGN), cap=aligned.MAX_BLOCK)
+
+
 def _read_whole(plan: LoadPlan) -> frozenset[str]:
     """The files ``plan`` reads (nearly) all the data of: ``DIRECT_MIN_SHARE`` or more of the
     bytes of the shards it reads from them (an incremental base's file also holds shards later
@@ -636,7 +703,7 @@ def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryvi
     part copied told to ``landed``)."""
     start, end = read.byte_range.start, read.byte_range.end
     lo = start - start % DIRECT_ALIGN
-    size = aligned.bounce_size(64 * (end - lo), cap=aligned.MAX_BLOCK)  # the read's size at most
+    size = _direct_block(read)
     seg, filled = 0, 0  # the segment being filled, and its bytes already filled
     with aligned.POOL.buffer(size) as bounce:
         for block in range(lo, end, size):
