@@ -261,7 +261,8 @@ def test_files_on_two_devices_are_not_tried_together(monkeypatch):
     def trial(devices: dict[str, int]):
         readers = {f: SimpleNamespace(direct=True, device=d, can_direct=lambda: True) for f, d in devices.items()}
         reads = [SimpleNamespace(file=f) for f in sorted(devices) for _ in range(MIN_READS)]
-        return ex._trial_for(SimpleNamespace(reads=reads), SimpleNamespace(get=readers.__getitem__), [True] * len(reads))
+        return ex._trial_for(SimpleNamespace(reads=reads), SimpleNamespace(get=readers.__getitem__), [True] * len(reads),
+                             None)
     assert trial({"a": 1, "b": 1}).tried
     two = trial({"a": 1, "b": 2})
     assert not two.tried and "several devices" in two.outcome.why

@@ -229,8 +229,9 @@ class Executor:
         hinted: list[bool] = []
         ahead: _ReadAhead | None = None
         try:
-            eligible = self._eligible(plan, readers)
-            self.trial = self._trial_for(plan, readers, eligible)
+            forced = choice.forced()
+            eligible = self._eligible(plan, readers, forced)
+            self.trial = self._trial_for(plan, readers, eligible, forced)
             # each read around the page cache or not (None: as the trial says, when it starts)
             ways: list[bool | None] = [None if e and self.trial.tried else e and readers.get(r.file).direct
                                        for e, r in zip(eligible, plan.reads)]
@@ -355,30 +356,30 @@ class Executor:
             return False
         return self._direct_ok(read)
 
-    def _eligible(self, plan: LoadPlan, readers: _Readers) -> list[bool]:
+    def _eligible(self, plan: LoadPlan, readers: _Readers, forced: str | None) -> list[bool]:
         """Which reads may go around the page cache: large reads from files the process reads
         (nearly) whole (``_read_whole``, ``_around_cache``), on a reader that has direct reads
         (a local file's; an object store's has none); none where buffered is forced."""
-        if choice.forced() == modes.BUFFERED:
+        if forced == modes.BUFFERED:
             return [False] * len(plan.reads)
         whole = _read_whole(plan)
         return [r.file in whole and self._around_cache(r) and hasattr(readers.get(r.file), "can_direct")
                 for r in plan.reads]
 
-    def _trial_for(self, plan: LoadPlan, readers: _Readers, eligible: list[bool]) -> ModeTrial:
+    def _trial_for(self, plan: LoadPlan, readers: _Readers, eligible: list[bool], forced: str | None) -> ModeTrial:
         """How the eligible reads go (``loading.trial``): tried both ways where the load is large,
         its files are on one device that can read them direct and nothing is forced; else each
         its device's choice (the outcome names the first file's)."""
         files = sorted({r.file for r, e in zip(plan.reads, eligible) if e})
-        if choice.forced() == modes.BUFFERED:
-            return ModeTrial.for_load(modes.BUFFERED, len(files), modes.BUFFERED)
+        if forced == modes.BUFFERED:
+            return ModeTrial.for_load(modes.BUFFERED, 0, forced)
         if not files:
             return ModeTrial(modes.BUFFERED, tried=False, why="no read may go around the page cache")
         first = readers.get(files[0])
         start = modes.DIRECT if first.direct else modes.BUFFERED
         if len({getattr(readers.get(f), "device", None) for f in files}) > 1:
             return ModeTrial(start, tried=False, why="files on several devices: each read its device's choice")
-        trial = ModeTrial.for_load(start, sum(eligible), choice.forced())
+        trial = ModeTrial.for_load(start, sum(eligible), forced)
         if trial.tried and not all(readers.get(f).can_direct() for f in files):
             return ModeTrial(start, tried=False, why="a file cannot be read around the page cache: not tried")
         return trial

@@ -42,15 +42,13 @@ class ModeTrial:
         if start not in modes.MODES:
             raise ValueError(f"not a mode: {start!r}")
         self._start = start
-        self._why = why or f"not tried: kept {start}"
-        self._tried = tried
         other = modes.BUFFERED if start == modes.DIRECT else modes.DIRECT
         self._ways = (start, other) if tried else ()  # tried in this order, TRIAL_READS reads each
         self._way = 0  # the way being tried (an index into _ways)
         self._handed = 0  # reads of that way handed out
         self._out = 0  # of those, not yet reported
         self._seconds: dict[str, list[float]] = {m: [] for m in modes.MODES}
-        self._choice: modes.Choice | None = None if tried else modes.Choice(start, self._why)
+        self._choice: modes.Choice | None = None if tried else modes.Choice(start, why or f"not tried: kept {start}")
         self._cond = threading.Condition()
 
     @classmethod
@@ -66,7 +64,7 @@ class ModeTrial:
     @property
     def tried(self) -> bool:
         """Whether the load tries both ways (its first large reads: each way in turn)."""
-        return self._tried
+        return bool(self._ways)
 
     @property
     def mode(self) -> str:
