@@ -107,17 +107,17 @@ def _floor(ranges, local: dict[str, torch.Tensor]) -> None:
 
 def _shardfmt(name: str, sd, d: str) -> None:
     import shardfmt
-    from shardfmt.loading import executor
+    from shardfmt.loading import pagecache
 
-    add = executor._Drops.add
+    add = pagecache.Drops.add
     if name.endswith("@drop-each"):
-        executor._Drops.add = lambda self, read: executor._release(self._readers.get(read.file), read)
+        pagecache.Drops.add = lambda self, read: pagecache.release_read(self._readers.get(read.file), read)
     elif name.endswith("@keep"):
-        executor._Drops.add = lambda self, read: None
+        pagecache.Drops.add = lambda self, read: None
     try:
         shardfmt.load(sd, d)
     finally:
-        executor._Drops.add = add
+        pagecache.Drops.add = add
 
 
 def _run_rank(rank: int, world: int, port: int, d: str, rounds: int, out: str) -> None:

@@ -22,8 +22,9 @@ from shardfmt.format.stats import from_extension_value
 from shardfmt.io.modes import Choice
 from shardfmt.io.registry import get_storage
 from shardfmt.io.store import Storage
-from shardfmt.loading.executor import Executor, release
+from shardfmt.loading.executor import Executor
 from shardfmt.loading.options import LoadOptions
+from shardfmt.loading.pagecache import release
 from shardfmt.loading.phases import PhaseClock
 from shardfmt.loading.reader import check_headers, open_checkpoint
 from shardfmt.loading.request import finish, rank_and_world, request_load

@@ -70,7 +70,7 @@ def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
     each read is hinted once, before it starts, never more than the window ahead of it,
     and nearby reads of one file are hinted as one range."""
     from shardfmt.layout.geometry import ByteRange
-    from shardfmt.loading.executor import _ReadAhead
+    from shardfmt.loading.files import ReadAhead
     from shardfmt.loading.planner import PhysicalRead
 
     MiB = 1 << 20
@@ -86,13 +86,13 @@ def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
             hinted.append((self.name, offset, offset + length))
 
     class Readers:
-        from shardfmt.loading.executor import _Readers
+        from shardfmt.loading.files import Readers as _Readers
         prefetch = _Readers.prefetch
 
         def get(self, name):
             return Reader(name)
 
-    ahead = _ReadAhead(reads, Readers(), window=20 * MiB)
+    ahead = ReadAhead(reads, Readers(), window=20 * MiB)
     covered = set()
     for k in range(len(reads)):
         ahead.starting(k)

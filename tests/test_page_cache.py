@@ -128,7 +128,7 @@ def test_a_load_that_fails_still_drops_what_it_read(dropping, monkeypatch):
 
 def test_a_load_drops_in_batches_of_a_bounded_size(dropping, monkeypatch):
     """What a load read through the page cache waits there for at most ``DROP_BATCH`` bytes."""
-    from shardfmt.loading import executor
+    from shardfmt.loading import executor, pagecache
 
     monkeypatch.setenv("SHARDFMT_DIRECT_IO", "0")
     g = torch.Generator().manual_seed(1)
@@ -137,15 +137,15 @@ def test_a_load_drops_in_batches_of_a_bounded_size(dropping, monkeypatch):
     shardfmt.save(sd, path)
     files = _data_files(path)
     held = []
-    drop = executor._Drops._drop
+    drop = pagecache.Drops._drop
 
     def watched(self, ranges):
         held.append(resident(files[0])[0] * os.sysconf("SC_PAGE_SIZE"))
         drop(self, ranges)
 
-    monkeypatch.setattr(executor, "DROP_BATCH", 4 << 20)
+    monkeypatch.setattr(pagecache, "DROP_BATCH", 4 << 20)
     monkeypatch.setattr(executor, "PREFETCH_WINDOW", 2 << 20)
-    monkeypatch.setattr(executor._Drops, "_drop", watched)
+    monkeypatch.setattr(pagecache.Drops, "_drop", watched)
     back = {k: torch.full_like(v, float("nan")) for k, v in sd.items()}
     shardfmt.load(back, path, workers=1, max_read=2 << 20)
     assert all(torch.equal(back[k], sd[k]) for k in sd)

@@ -8,12 +8,13 @@ with ``as_strided`` views — for strided, cast or non-CPU targets. With ``verif
 chunk a read touches is hashed and compared with the manifest before the read's buffer
 is copied anywhere. Reads run on a small thread pool; files are opened once. As each read
 starts, the storage is asked to fetch the next ``PREFETCH_WINDOW`` bytes of reads ahead
-(``FileReader.prefetch``: ``POSIX_FADV_WILLNEED`` on local disk, nothing on object stores).
+(``FileReader.prefetch``: ``POSIX_FADV_WILLNEED`` on local disk, nothing on object stores;
+``loading.files``). Large reads go around the page cache or through it as ``loading.trial``
+decides; what went through it is dropped when no other process reads it (``loading.pagecache``).
 """
 
 from __future__ import annotations
 
-import bisect
 import queue
 import threading
 import time
@@ -22,15 +23,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from shardfmt.errors import CheckpointNotFoundError, IntegrityError, ManifestError, ShardfmtError
-from shardfmt.format import refs
+from shardfmt.errors import IntegrityError, ManifestError, ShardfmtError
 from shardfmt.format.hashing import ChunkGrid, ChunkHasher
 from shardfmt.format.manifest import FileRecord
 from shardfmt.format.tensor_bytes import byte_view, is_direct
 from shardfmt.io import aligned, choice, modes
 from shardfmt.io.aligned import DIRECT_ALIGN, address
 from shardfmt.io.store import FileReader, Storage
+from shardfmt.loading.files import ReadAhead, Readers
 from shardfmt.loading.options import LoadOptions
+from shardfmt.loading.pagecache import Drops, release_read
 from shardfmt.loading.planner import CopyItem, LoadPlan, PhysicalRead
 from shardfmt.loading.shared import Share
 from shardfmt.loading.tally import Tally
@@ -43,73 +45,6 @@ PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to f
 SHARED_WINDOW = 256 << 20  # bytes a read group's owner reads ahead of the broadcasts
 DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``ReadTarget.sole``)
 DIRECT_MIN_SHARE = 0.9  # ... from a file this process reads at least this share of (``_read_whole``)
-DROP_BATCH = 512 << 20  # bytes read through the page cache that a load drops together, at most (``_Drops``)
-
-
-class _Readers:
-    """Open each file once, check its size against the manifest, share the handle.
-
-    Names resolve under ``root`` through no symbolic link unless ``follow_links`` (spec
-    section 2; ``Executor``)."""
-
-    def __init__(self, storage: Storage, root: str, files: Mapping[str, FileRecord], *,
-                 follow_links: bool = False) -> None:
-        self._storage = storage
-        self._root = root
-        self._files = files
-        self._within = None if follow_links else root
-        self._open: dict[str, FileReader] = {}
-        self._lock = threading.Lock()
-
-    def get(self, name: str) -> FileReader:
-        with self._lock:
-            r = self._open.get(name)
-            if r is None:
-                want = self._files[name].size
-                # Object stores: trust the manifest's size (a HEAD per file saved); a short
-                # file then fails its ranged read, a changed one its chunk hashes.
-                full, where = refs.location(self._storage.join, self._root, name)
-                try:
-                    r = self._storage.open_reader(full, size=want if self._storage.remote else None,
-                                                  within=None if self._within is None else where)
-                except CheckpointNotFoundError:
-                    raise IntegrityError(refs.missing_file(name)) from None
-                if r.size != want:
-                    r.close()
-                    raise IntegrityError(f"{name}: file is {r.size} bytes, manifest says {want}")
-                self._open[name] = r
-            return r
-
-    def opened(self, name: str) -> FileReader | None:
-        """The reader of ``name`` if it is open, else None (never opens one)."""
-        with self._lock:
-            return self._open.get(name)
-
-    def prefetch(self, reads: Sequence[PhysicalRead], *, gap: int = 1 << 20) -> None:
-        """Hint the reads to the storage, nearby ones in a file as one range. Advisory: a file
-        that cannot be opened is left for its read to report, named."""
-        ranges: list[list] = []  # [file, start, end]
-        for r in reads:
-            s, e = r.byte_range.start, r.byte_range.end
-            if ranges and r.file == ranges[-1][0] and ranges[-1][2] <= s <= ranges[-1][2] + gap:
-                ranges[-1][2] = max(ranges[-1][2], e)
-            else:
-                ranges.append([r.file, s, e])
-        for name, s, e in ranges:
-            try:
-                hint = getattr(self.get(name), "prefetch", None)
-            except (ShardfmtError, OSError):
-                continue
-            if hint is not None:
-                hint(s, e - s)
-
-    def close(self) -> None:
-        for r in self._open.values():
-            try:
-                r.close()
-            except OSError:
-                pass
-        self._open.clear()
 
 
 def _pieces(segments: Sequence[memoryview]):
@@ -122,41 +57,6 @@ def _pieces(segments: Sequence[memoryview]):
 # Called as each part of a read's segments is in memory and hashed: (segment, first byte, end byte).
 Landed = Callable[[int, int, int], None]
 
-
-class _ReadAhead:
-    """Keep the storage fetching up to ``window`` bytes of the reads after the one starting.
-
-    On local disk this is ``POSIX_FADV_WILLNEED``: the kernel queues those reads at once, so
-    the disk works at full depth while the workers copy and hash, and ranks that read the
-    same bytes (a row -> column reshard) find them in the page cache. A bounded window, not
-    the whole plan: read-ahead beyond what memory holds would be evicted before it is used.
-    """
-
-    def __init__(self, reads: Sequence[PhysicalRead], readers: _Readers, window: int) -> None:
-        self._reads = reads  # the reads to hint (None: a read that goes around the page cache)
-        self._readers = readers
-        self._window = window
-        self._cum = [0]  # bytes of reads[:i]
-        for r in reads:
-            self._cum.append(self._cum[-1] + (r.byte_range.length if r is not None else 0))
-        self._next = 0  # reads before this one have been asked for
-        self._lock = threading.Lock()
-
-    @property
-    def asked(self) -> int:
-        """How many reads, from the first, the storage has been asked to fetch."""
-        return self._next
-
-    def starting(self, k: int) -> None:
-        """Read ``k`` starts: ask for every read up to ``window`` bytes from it not yet asked for."""
-        n = len(self._reads)
-        j = min(n, bisect.bisect_left(self._cum, self._cum[k] + self._window, lo=k + 1))
-        with self._lock:
-            lo = max(k, self._next)
-            if j <= lo:
-                return
-            self._next = j
-        self._readers.prefetch([r for r in self._reads[lo:j] if r is not None])
 
 
 def _dst_view(dst: torch.Tensor, item: CopyItem) -> torch.Tensor:
@@ -210,7 +110,7 @@ class Executor:
         self.cached: list[tuple[str, int, int]] = []  # (file, start, end) read through the page cache, kept
         self.trial = ModeTrial(modes.BUFFERED, tried=False)  # how the last run's large reads went (``loading.trial``)
         self._cached_lock = threading.Lock()
-        self._drops: _Drops | None = None
+        self._drops: Drops | None = None
         self._given = tuple(bounce_buffers)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._local = threading.local()
@@ -224,10 +124,10 @@ class Executor:
         self._files, self._grids = plan.files, plan.grids
         for b in self._given:
             self._free.put(b)
-        readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
-        drops = self._drops = _Drops(readers)
+        readers = Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
+        drops = self._drops = Drops(readers)
         hinted: list[bool] = []
-        ahead: _ReadAhead | None = None
+        ahead: ReadAhead | None = None
         try:
             forced = choice.forced()
             eligible = self._eligible(plan, readers, forced)
@@ -237,7 +137,7 @@ class Executor:
                                        for e, r in zip(eligible, plan.reads)]
             # the kernel is asked to fetch ahead what goes through the page cache for sure
             hinted = [w is False for w in ways]
-            ahead = _ReadAhead([r if h else None for h, r in zip(hinted, plan.reads)], readers, PREFETCH_WINDOW)
+            ahead = ReadAhead([r if h else None for h, r in zip(hinted, plan.reads)], readers, PREFETCH_WINDOW)
             # direct reads mostly wait on the device: more of them keep its queue full
             concurrency = self.storage.read_concurrency
             if not all(hinted):
@@ -271,7 +171,7 @@ class Executor:
         self.cached = []
         self.trial = ModeTrial(modes.BUFFERED, tried=False, why="a read group's owner reads through the page cache")
         mine = [k for k, o in enumerate(share.owners) if o == share.me]
-        readers = _Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
+        readers = Readers(self.storage, self.root, plan.files, follow_links=self.follow_links)
         workers = max(1, min(self.workers, self.storage.read_concurrency, len(mine)))
         try:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-shared") as pool:
@@ -297,7 +197,7 @@ class Executor:
         finally:
             readers.close()
 
-    def _fetch(self, read: PhysicalRead, readers: _Readers, verify: bool) -> tuple[torch.Tensor, BaseException | None]:
+    def _fetch(self, read: PhysicalRead, readers: Readers, verify: bool) -> tuple[torch.Tensor, BaseException | None]:
         """Read (and verify) ``read`` into a new buffer with a flag byte after it: 1 read, 0 failed."""
         buf = torch.zeros(read.byte_range.length + 1, dtype=torch.uint8)
         try:
@@ -305,7 +205,7 @@ class Executor:
             self._read(reader, read, [byte_view(buf[:-1])], verify)
         except (ShardfmtError, OSError) as e:
             return buf, e
-        _release(reader, read)  # its one reader in the job: the others get the bytes from here
+        release_read(reader, read)  # its one reader in the job: the others get the bytes from here
         buf[-1] = 1
         return buf, None
 
@@ -321,7 +221,7 @@ class Executor:
             if tally is not None and tally.counts(it.target):
                 tally.filled(t, it, dst)
 
-    def _run_pool(self, plan: LoadPlan, readers: _Readers, ahead: _ReadAhead, ways: list[bool | None],
+    def _run_pool(self, plan: LoadPlan, readers: Readers, ahead: ReadAhead, ways: list[bool | None],
                   workers: int) -> None:
         """Run the reads on ``workers`` threads; raise the first read's error once all are done."""
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shardfmt-read") as ex:
@@ -356,7 +256,7 @@ class Executor:
             return False
         return self._direct_ok(read)
 
-    def _eligible(self, plan: LoadPlan, readers: _Readers, forced: str | None) -> list[bool]:
+    def _eligible(self, plan: LoadPlan, readers: Readers, forced: str | None) -> list[bool]:
         """Which reads may go around the page cache: large reads from files the process reads
         (nearly) whole (``_read_whole``, ``_around_cache``), on a reader that has direct reads
         (a local file's; an object store's has none); none where buffered is forced."""
@@ -366,7 +266,7 @@ class Executor:
         return [r.file in whole and self._around_cache(r) and hasattr(readers.get(r.file), "can_direct")
                 for r in plan.reads]
 
-    def _trial_for(self, plan: LoadPlan, readers: _Readers, eligible: list[bool], forced: str | None) -> ModeTrial:
+    def _trial_for(self, plan: LoadPlan, readers: Readers, eligible: list[bool], forced: str | None) -> ModeTrial:
         """How the eligible reads go (``loading.trial``): tried both ways where the load is large,
         its files are on one device that can read them direct and nothing is forced; else each
         its device's choice (the outcome names the first file's)."""
@@ -384,8 +284,8 @@ class Executor:
             return ModeTrial(start, tried=False, why="a file cannot be read around the page cache: not tried")
         return trial
 
-    def _one(self, read: PhysicalRead, readers: _Readers, verify: bool,
-             ahead: _ReadAhead | None = None, k: int = 0, *, around: bool | None = False) -> None:
+    def _one(self, read: PhysicalRead, readers: Readers, verify: bool,
+             ahead: ReadAhead | None = None, k: int = 0, *, around: bool | None = False) -> None:
         """Do one physical read; ``around``: around the page cache or not, None: the way the
         load's trial says (timed for it where the read is one of the tried)."""
         if ahead is not None:
@@ -443,7 +343,7 @@ class Executor:
     def _read_through_cache(self, reader: FileReader, read: PhysicalRead) -> None:
         """``read`` went through the page cache: drop its pages when the run ends if no other
         process reads them (a checkpoint does not take the training job's page cache;
-        ``_Drops``), else note them (``cached``: other ranks of the node may read them;
+        ``Drops``), else note them (``cached``: other ranks of the node may read them;
         ``release`` once all have)."""
         if self.storage.remote or not hasattr(reader, "release"):  # no page cache of this machine's
             return
@@ -596,105 +496,6 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
         live[shard.file] = live.get(shard.file, 0) + shard.byte_range[1] - shard.byte_range[0]
     return frozenset(name for name, n in read.items() if live.get(name, 0) > 0 and n >= DIRECT_MIN_SHARE * live[name])
 
-
-class _Drops:
-    """The byte ranges a run read through the page cache that no other process reads, dropped
-    from it together: once ``DROP_BATCH`` bytes wait, and when the run ends (its reads done, or
-    failed: then every such range it asked the storage to fetch, read or not) all of them again,
-    each file's ranges merged where they touch. (A large folio that straddles two batches is
-    dropped only by a range that covers it whole: the last pass's.)
-
-    Not one read at a time: pages a load reads in runs that alternate with another process's
-    (a 2 -> 4 reshard: two ranks take alternate 16 MiB runs of one file) land in small folios,
-    and dropping them while the other process is still filling the same file's cache costs
-    kernel time on both. Measured on this project's VM (``benchmarks/reshard_drops.py``,
-    benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 1.053 s dropping
-    each read as it finished, 0.857 s dropping at the end, the floor 0.848 s."""
-
-    def __init__(self, readers: _Readers) -> None:
-        self._readers = readers
-        self._all: dict[str, list[tuple[int, int]]] = {}  # every range noted
-        self._batch: dict[str, list[tuple[int, int]]] = {}  # those noted since the last drop
-        self._bytes = 0  # of the batch
-        self._lock = threading.Lock()
-
-    def add(self, read: PhysicalRead) -> None:
-        """Note ``read``'s range; drop the batch once it is ``DROP_BATCH`` bytes."""
-        if self.keep([read]) >= DROP_BATCH:
-            with self._lock:
-                batch, self._batch, self._bytes = self._batch, {}, 0
-            self._drop(batch)
-
-    def keep(self, reads: Sequence[PhysicalRead]) -> int:
-        """Note the reads' ranges (no drop); return the batch's bytes."""
-        with self._lock:
-            for r in reads:
-                span = (r.byte_range.start, r.byte_range.end)
-                self._all.setdefault(r.file, []).append(span)
-                self._batch.setdefault(r.file, []).append(span)
-                self._bytes += r.byte_range.length
-            return self._bytes
-
-    def finish(self, *, quiet: bool = False) -> None:
-        """Drop every range noted, dropped before or not. ``quiet``: a failure is ignored (a
-        run that failed reports its own error)."""
-        with self._lock:
-            every, self._all, self._batch, self._bytes = self._all, {}, {}, 0
-        try:
-            self._drop(every)
-        except Exception:
-            if not quiet:
-                raise
-
-    def _drop(self, ranges: Mapping[str, list[tuple[int, int]]]) -> None:
-        """Through the files' open readers (advisory: a file this run never opened holds nothing
-        it read)."""
-        for name, spans in sorted(ranges.items()):
-            drop = getattr(self._readers.opened(name), "release", None)
-            if drop is not None:
-                for start, end in _merged(spans):
-                    drop(start, end - start)
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``spans`` ([start, end) byte ranges) sorted, those that overlap or touch made one."""
-    out: list[list[int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        elif end > start:
-            out.append([start, end])
-    return [(s, e) for s, e in out]
-
-
-def _release(reader: FileReader, read: PhysicalRead) -> None:
-    drop = getattr(reader, "release", None)  # local files' readers: their bytes are in this machine's page cache
-    if drop is not None and read.byte_range.length > 0:
-        drop(read.byte_range.start, read.byte_range.length)
-
-
-def release(storage: Storage, root: str, ranges: Sequence[tuple[str, int, int]]) -> None:
-    """Drop from the page cache the byte ranges (file, start, end) a load of the checkpoint at
-    ``root`` read through it (``Executor.cached``, ``LoadReport.cached``), once every process
-    that reads them has: advisory, a file that cannot be opened is skipped."""
-    if storage.remote:
-        return
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for name, start, end in ranges:
-        by_file.setdefault(name, []).append((start, end))
-    for name, spans in by_file.items():
-        full, where = refs.location(storage.join, root, name)
-        try:
-            reader = storage.open_reader(full, within=where)
-        except (ShardfmtError, OSError):
-            continue
-        try:
-            drop = getattr(reader, "release", None)
-            for start, end in spans:
-                if drop is not None and end > start:  # (a length of 0 would mean "to the end")
-                    drop(start, end - start)
-        finally:
-            reader.close()
 
 
 def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],
