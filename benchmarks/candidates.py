@@ -245,13 +245,14 @@ def floor_write(c: Call, hashed: bool = True) -> None:
                        host=c.env.bounce("save", b.locals))
 
 
-def floor_read(c: Call, hashed: bool = True) -> None:
+def floor_read(c: Call, hashed: bool = True, direct: bool = False) -> None:
     b = c.built
     key = ("floor.plan", c.phase, c.src)
     if key not in c.env.cache:
         c.env.cache[key] = floors.floor_reads(b.specs, b.boxes, c.src, src_world=c.src_world, rank=c.env.rank)
     reads, _ = c.env.cache[key]
-    floors.read_floor(reads, b.locals, hashed=hashed, host=c.env.bounce(f"load:{c.phase}", b.locals))
+    read = floors.read_floor_direct if direct else floors.read_floor
+    read(reads, b.locals, hashed=hashed, host=c.env.bounce(f"load:{c.phase}", b.locals))
 
 
 def memcpy(c: Call) -> None:
@@ -346,6 +347,8 @@ def _all() -> list[Candidate]:
         Candidate(name="safetensors.save", kind=S, run=st_save),
         Candidate(name="shardfmt.save(pp=2,tp=2)", kind=S, run=save_tp_pp, makes_dir=False),
         Candidate(name="floor.read", kind=L, run=floor_read, reads="floor.write", exact_check=False),
+        Candidate(name="floor.read@direct", kind=L, run=functools.partial(floor_read, direct=True),
+                  reads="floor.write", exact_check=False),
         Candidate(name="raw.read", kind=L, run=lambda c: floor_read(c, hashed=False), reads="raw.write",
                   exact_check=False),
         Candidate(name="shardfmt.load", kind=L, run=sf_load, reads="shardfmt.save", after=chunk_needed),

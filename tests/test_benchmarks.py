@@ -23,6 +23,7 @@ if ROOT not in sys.path:
 from benchmarks import floors, states  # noqa: E402
 from benchmarks.harness import compare, plan, verdict  # noqa: E402
 from benchmarks.harness.model import Phase, Ref, Scenario, StateSpec, ratio, throughput  # noqa: E402
+from tests.pagecache import drops_pages, resident_fraction  # noqa: E402
 
 CAND, FLOOR = Ref(phase="save", candidate="shardfmt.save"), Ref(phase="save", candidate="floor.write")
 
@@ -164,8 +165,9 @@ def test_any_slice_of_the_formula_is_the_slice_of_the_whole():
         assert torch.equal(states.gen(3, b, "bfloat16", "cpu"), whole[sl])
 
 
+@pytest.mark.parametrize("read", [floors.read_floor, floors.read_floor_direct], ids=["buffered", "direct"])
 @pytest.mark.parametrize("layout,world", [("rows", 2), ("rows", 4), ("full", 1)])
-def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world):
+def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world, read):
     specs = states.transformer(1, replicated=True)
     for q in range(2):
         built = states.build(specs, "rows", 2, q, device="cpu", values=True)
@@ -174,8 +176,31 @@ def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world)
         targets = states.build(specs, layout, world, rank, device="cpu", values=False)
         reads, exact = floors.floor_reads(specs, targets.boxes, str(tmp_path), src_world=2, rank=rank)
         assert exact
-        floors.read_floor(reads, targets.locals, hashed=True)
+        read(reads, targets.locals, hashed=True)
         states.check(targets, f"{layout} on {world}, rank {rank}")
+
+
+def test_the_direct_read_floor_reads_around_the_page_cache_in_aligned_blocks(tmp_path):
+    """Unaligned ranges (a 2 -> 4 reshard's halves, widened to chunks) come back exact, and the
+    files' pages stay out of the page cache."""
+    if not drops_pages(str(tmp_path)):
+        pytest.skip("this filesystem's pages cannot be dropped (tmpfs)")
+    specs = states.transformer(1, replicated=True)
+    paths = []
+    for q in range(2):
+        built = states.build(specs, "rows", 2, q, device="cpu", values=True)
+        paths.append(str(tmp_path / f"rank_{q}.bin"))
+        floors.write_floor(paths[-1], built.locals, hashed=True, fsync=True)
+        with open(paths[-1], "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert resident_fraction(paths) == 0
+    for rank in range(4):
+        targets = states.build(specs, "rows", 4, rank, device="cpu", values=False)
+        reads, _ = floors.floor_reads(specs, targets.boxes, str(tmp_path), src_world=2, rank=rank)
+        assert any(r.src_offset % floors.DIRECT_ALIGN for r in reads)
+        floors.read_floor_direct(reads, targets.locals, hashed=True)
+        states.check(targets, f"rows on 4, rank {rank}")
+    assert resident_fraction(paths) == 0
 
 
 def test_floor_reads_are_widened_to_whole_hash_chunks_as_a_verified_reader_reads(tmp_path):
