@@ -73,6 +73,14 @@ def test_leaving_the_mode_in_force_takes_more_than_separating():
     assert modes.choose(FAST, SLOW, modes.BUFFERED).mode == modes.DIRECT
 
 
+def test_a_choice_is_clear_only_where_its_mode_won_with_the_spreads_apart():
+    assert modes.choose(FAST, SLOW).clear and modes.choose(SLOW, FAST).clear
+    assert not modes.choose(FAST, [0.09, 0.105, 0.11, 0.12, 0.3]).clear  # overlap: kept
+    assert not modes.choose(NEAR, FAST, modes.DIRECT).clear  # buffered ahead, by too little to switch
+    assert not modes.choose([], FAST).clear  # refused: one way never timed
+    assert not modes.Choice(modes.DIRECT, "unmeasured").clear
+
+
 def test_one_stalled_round_does_not_decide():
     assert modes.choose([0.1, 0.1, 0.1, 0.1, 5.0], [0.2, 0.2, 0.2, 0.2, 0.2]).mode == modes.DIRECT
 

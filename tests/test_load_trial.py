@@ -104,6 +104,7 @@ def test_a_failed_tried_read_ends_the_trial_and_frees_the_waiting_workers():
 
 N_TENSORS = MIN_READS + 4
 READ = 2 << 20  # max_read: one read per 2 MiB tensor
+DOUBTFUL = modes.Choice(D, "direct and buffered overlap: kept direct (the default)", (0.05, 0.06, 0.07), (0.055, 0.06, 0.08))
 
 
 def _state() -> dict:
@@ -120,6 +121,7 @@ def saved(tmp_path, monkeypatch):
     shardfmt.save(sd, path)
     monkeypatch.setenv("SHARDFMT_DIRECT_IO", "auto")
     monkeypatch.setattr(local_io, "use_direct", lambda directory, op: True)  # the device's choice: direct
+    monkeypatch.setattr(local_io, "measured", lambda directory, op: DOUBTFUL)  # ... measured with doubt: tried
     probe = local_io._LocalReader(os.path.join(path, "COMMITTED"), local_io.IOStats())
     try:
         if not probe.can_direct():
@@ -166,6 +168,28 @@ def test_a_load_whose_buffered_reads_are_slow_stays_direct(saved, monkeypatch):
     assert rep.read_mode.mode == D and "this load's reads" in rep.read_mode.why
     tried = len(buffered_calls)
     assert TRIAL_READS <= tried < N_TENSORS  # the tried buffered reads (and the headers), not the rest
+
+
+def test_a_device_that_measured_clearly_is_not_tried_again(saved, monkeypatch):
+    """Where the device's own probe separated the two ways, a load keeps its choice untried:
+    trying would only spend reads on the slower way (benchmarks/README.md, session 20)."""
+    sd, path = saved
+    clear = modes.Choice(D, "direct faster (spreads separate)", (0.05,) * 5, (0.08,) * 5)
+    monkeypatch.setattr(local_io, "measured", lambda directory, op: clear)
+    large: list[int] = []
+    real = local_io._LocalReader.readinto
+    monkeypatch.setattr(local_io._LocalReader, "readinto",
+                        lambda self, off, bufs: (large.append(1) if sum(map(len, bufs)) >= READ else None,
+                                                 real(self, off, bufs))[1])
+    rep = _load(path, sd)
+    assert rep.read_mode.mode == D and "measured clearly" in rep.read_mode.why
+    assert not rep.read_mode.direct_s and not rep.read_mode.buffered_s and not large  # no read went buffered
+    for doubt in (DOUBTFUL, modes.Choice(D, "buffered faster by less than 10%: kept direct", (0.10,) * 5, (0.08,) * 5),
+                  modes.Choice(D, "unmeasured")):
+        monkeypatch.setattr(local_io, "measured", lambda directory, op, doubt=doubt: doubt)
+        large.clear()
+        rep = _load(path, sd)
+        assert "this load's reads" in rep.read_mode.why and len(large) >= TRIAL_READS, doubt.why
 
 
 def test_a_forced_mode_reads_every_large_read_that_way_untried(saved, monkeypatch):

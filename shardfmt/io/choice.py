@@ -96,6 +96,17 @@ def use_direct(directory: str, operation: str) -> bool:
     return mode == modes.DIRECT
 
 
+def measured(directory: str, operation: str) -> modes.Choice | None:
+    """The device's choice for ``operation`` with the measurement behind it (None where a mode
+    is forced or nothing could be asked). Never raises."""
+    if forced() is not None or not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return device_modes(directory).choices.get(operation)
+    except Exception:  # noqa: BLE001 - as use_direct: a question about modes never fails a load
+        return None
+
+
 def device_modes(directory: str, *, again: bool = False, processes: int | None = None) -> modes.DeviceModes:
     """The choices for ``directory``'s device and ``processes`` (None: ``local_processes()``):
     this process's, the cache's, or measured now (``again``: measured now whatever is known, the

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from shardfmt.errors import IntegrityError, SpecialFileError
 from shardfmt.io.aligned import DIRECT_ALIGN
-from shardfmt.io.choice import use_direct
+from shardfmt.io.choice import measured, use_direct
+from shardfmt.io.modes import Choice
 from shardfmt.io.posix import (
     CLOEXEC,
     OPEN_DIR,
@@ -189,6 +190,11 @@ class _LocalReader:
             if self._chosen is None:
                 self._chosen = use_direct(os.path.dirname(self._path) or ".", "read")
         return self._chosen and self.can_direct()
+
+    def measured(self) -> Choice | None:
+        """The device's choice for reads and the measurement behind it (``io.choice.measured``):
+        a load whose device measured clearly does not try both ways again (``loading.trial``)."""
+        return measured(os.path.dirname(self._path) or ".", "read")
 
     def can_direct(self) -> bool:
         """Whether ``read_block`` can go around the page cache, whatever the device's choice:

@@ -72,6 +72,15 @@ class Choice:
     direct_s: tuple[float, ...] = ()
     buffered_s: tuple[float, ...] = ()
 
+    @property
+    def clear(self) -> bool:
+        """Whether the measurement leaves no doubt: both ways timed and ``mode`` the faster,
+        their spreads apart (not a mode kept on overlap, a narrow lead or no measurement)."""
+        if not self.direct_s or not self.buffered_s:
+            return False
+        (d_lo, d_hi), (b_lo, b_hi) = spread(self.direct_s), spread(self.buffered_s)
+        return d_hi < b_lo if self.mode == DIRECT else b_hi < d_lo
+
 
 @dataclass(frozen=True)
 class DeviceModes:

@@ -268,8 +268,9 @@ class Executor:
 
     def _trial_for(self, plan: LoadPlan, readers: Readers, eligible: list[bool], forced: str | None) -> ModeTrial:
         """How the eligible reads go (``loading.trial``): tried both ways where the load is large,
-        its files are on one device that can read them direct and nothing is forced; else each
-        its device's choice (the outcome names the first file's)."""
+        its files are on one device that can read them direct, nothing is forced and the
+        device's own measurement left doubt; else each its device's choice (the outcome names
+        the first file's)."""
         files = sorted({r.file for r, e in zip(plan.reads, eligible) if e})
         if forced == modes.BUFFERED:
             return ModeTrial.for_load(modes.BUFFERED, 0, forced)
@@ -280,7 +281,12 @@ class Executor:
         if len({getattr(readers.get(f), "device", None) for f in files}) > 1:
             return ModeTrial(start, tried=False, why="files on several devices: each read its device's choice")
         trial = ModeTrial.for_load(start, sum(eligible), forced)
-        if trial.tried and not all(readers.get(f).can_direct() for f in files):
+        if not trial.tried:
+            return trial
+        known = getattr(first, "measured", lambda: None)()
+        if known is not None and known.clear and known.mode == start:
+            return ModeTrial(start, tried=False, why=f"the device's choice, measured clearly ({known.why}): not tried")
+        if not all(readers.get(f).can_direct() for f in files):
             return ModeTrial(start, tried=False, why="a file cannot be read around the page cache: not tried")
         return trial
 

@@ -8,7 +8,8 @@ one run (the probe had said direct), and 0.73 s direct and 0.94 s buffered in an
 (benchmarks/README.md, session 19).
 
 So a load with at least ``MIN_READS`` reads that may go around the page cache, all on one
-device, tries both: its first ``TRIAL_READS`` such reads go the device's way, the next
+device whose probe left doubt (where it separated the ways, ``Choice.clear``, a trial would
+only spend reads the slower way: ``Executor._trial_for``), tries both: its first ``TRIAL_READS`` such reads go the device's way, the next
 ``TRIAL_READS`` the other way, each way alone (a worker asking for the second way's first
 read waits until every read of the first way has reported, and one asking once the second
 way's are all out waits for the decision), so neither way is timed against the other's
