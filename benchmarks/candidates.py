@@ -20,6 +20,7 @@ write ``call.path``.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import functools
 import json
 import os
@@ -245,14 +246,22 @@ def floor_write(c: Call, hashed: bool = True) -> None:
                        host=c.env.bounce("save", b.locals))
 
 
-def floor_read(c: Call, hashed: bool = True, direct: bool = False) -> None:
+def floor_read(c: Call, hashed: bool = True, direct: bool = False) -> dict | None:
     b = c.built
     key = ("floor.plan", c.phase, c.src)
     if key not in c.env.cache:
         c.env.cache[key] = floors.floor_reads(b.specs, b.boxes, c.src, src_world=c.src_world, rank=c.env.rank)
     reads, _ = c.env.cache[key]
-    read = floors.read_floor_direct if direct else floors.read_floor
-    read(reads, b.locals, hashed=hashed, host=c.env.bounce(f"load:{c.phase}", b.locals))
+    host = c.env.bounce(f"load:{c.phase}", b.locals)
+    if direct:
+        try:
+            floors.read_floor_direct(reads, b.locals, hashed=hashed, host=host)
+            return {"floor_direct": 1.0}
+        except OSError as e:  # a filesystem without O_DIRECT: the buffered floor, said so in the record
+            if e.errno != errno.EINVAL:
+                raise
+    floors.read_floor(reads, b.locals, hashed=hashed, host=host)
+    return {"floor_direct": 0.0} if direct else None
 
 
 def memcpy(c: Call) -> None:

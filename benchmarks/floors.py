@@ -24,6 +24,7 @@ On CUDA the floors copy each piece through a pinned host buffer (not overlapped)
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -239,7 +240,10 @@ def _direct_blocks(reads: Sequence[FloorRead], *, hashed: bool) -> list[_Block]:
 
 def read_floor_direct(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, hashed: bool,
                       host: Sequence[torch.Tensor] | None = None) -> None:
-    """Do ``reads`` into ``targets`` around the page cache (``O_DIRECT``; module docstring)."""
+    """Do ``reads`` into ``targets`` around the page cache (``O_DIRECT``; module docstring).
+    OSError EINVAL where the OS or the filesystem has no ``O_DIRECT``."""
+    if not hasattr(os, "O_DIRECT"):
+        raise OSError(errno.EINVAL, "no O_DIRECT on this OS")
     blocks = _direct_blocks(reads, hashed=hashed)
     bufs = [mmap.mmap(-1, DIRECT_BLOCK) for _ in range(2)]  # page-aligned, reused (unmapped when unreferenced)
     fds: dict[str, int] = {}
@@ -252,9 +256,10 @@ def read_floor_direct(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor
         got, want = 0, b.hi - b.start
         while got < want:
             n = os.preadv(fd, [mv[got:b.end - b.start]], b.start + got)
-            if n == 0:
-                raise EOFError(f"{b.file}: short read at {b.start + got}")
-            got += n
+            nxt = got + n if got + n >= want else (got + n) // DIRECT_ALIGN * DIRECT_ALIGN  # aligned retries
+            if nxt <= got:
+                raise EOFError(f"{b.file}: short read at {b.start + got} ({n} bytes)")
+            got = nxt
         return mv
 
     try:

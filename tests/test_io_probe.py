@@ -231,6 +231,23 @@ def test_choosing_never_fails_a_save_or_a_load(work, measured, monkeypatch, capl
     assert "could not be chosen (RuntimeError: boom)" in caplog.text
 
 
+def test_measured_gives_a_fresh_measurement_and_nothing_forced_stale_or_failed(work, measured, monkeypatch):
+    """What a load asks before trying both ways (``loading.trial``): the device's choice with its
+    timings, only where it was measured and is fresh."""
+    device = _device_of(work)
+    choice._write(str(measured), _kept(device, modes.BUFFERED, modes.DIRECT))
+    got = choice.measured(str(work), "read")
+    assert got is not None and got.mode == modes.DIRECT and got.clear
+    monkeypatch.setenv(choice.FORCE_ENV, "1")
+    assert choice.measured(str(work), "read") is None  # forced: nothing to try against
+    monkeypatch.delenv(choice.FORCE_ENV)
+    stale = _kept(device, modes.BUFFERED, modes.DIRECT, age=modes.REPROBE_AFTER_S + 1)
+    monkeypatch.setattr(choice, "device_modes", lambda directory: stale)
+    assert choice.measured(str(work), "read") is None  # kept for want of a new measurement: doubt
+    monkeypatch.setattr(choice, "device_modes", lambda directory: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert choice.measured(str(work), "read") is None
+
+
 def test_an_oversized_cache_document_is_not_read(work, measured):
     device = _device_of(work)
     choice._write(str(measured), _kept(device, modes.BUFFERED, modes.BUFFERED))

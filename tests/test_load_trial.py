@@ -290,3 +290,23 @@ def test_files_on_two_devices_are_not_tried_together(monkeypatch):
     assert trial({"a": 1, "b": 1}).tried
     two = trial({"a": 1, "b": 2})
     assert not two.tried and "several devices" in two.outcome.why
+
+
+def test_a_clear_measurement_the_other_way_than_the_load_starts_is_still_tried(monkeypatch):
+    """The device measured buffered clearly, yet the load starts direct (say the choice changed
+    since its readers asked): the measurement does not vouch for the way the load starts, so it tries."""
+    from types import SimpleNamespace
+
+    from shardfmt.loading.executor import Executor
+    from shardfmt.loading.options import LoadOptions
+
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "auto")
+    ex = Executor(SimpleNamespace(remote=False), "/nowhere", [], LoadOptions())
+
+    def trial(known: modes.Choice):
+        reader = SimpleNamespace(direct=True, device=1, can_direct=lambda: True, measured=lambda: known)
+        reads = [SimpleNamespace(file="a") for _ in range(MIN_READS)]
+        return ex._trial_for(SimpleNamespace(reads=reads), SimpleNamespace(get=lambda f: reader), [True] * len(reads),
+                             None)
+    assert not trial(modes.Choice(D, "direct faster", (0.05,) * 5, (0.08,) * 5)).tried
+    assert trial(modes.Choice(B, "buffered faster", (0.08,) * 5, (0.05,) * 5)).tried

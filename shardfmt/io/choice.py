@@ -97,14 +97,16 @@ def use_direct(directory: str, operation: str) -> bool:
 
 
 def measured(directory: str, operation: str) -> modes.Choice | None:
-    """The device's choice for ``operation`` with the measurement behind it (None where a mode
-    is forced or nothing could be asked). Never raises."""
+    """The device's choice for ``operation`` with the measurement behind it: None where a mode
+    is forced, nothing could be asked, or the measurement is stale (kept for want of a new one).
+    Never raises."""
     if forced() is not None or not hasattr(os, "O_DIRECT"):
         return None
     try:
-        return device_modes(directory).choices.get(operation)
+        found = device_modes(directory)
     except Exception:  # noqa: BLE001 - as use_direct: a question about modes never fails a load
         return None
+    return None if found.stale(time.time()) else found.choices.get(operation)
 
 
 def device_modes(directory: str, *, again: bool = False, processes: int | None = None) -> modes.DeviceModes:

@@ -58,7 +58,6 @@ def _pieces(segments: Sequence[memoryview]):
 Landed = Callable[[int, int, int], None]
 
 
-
 def _dst_view(dst: torch.Tensor, item: CopyItem) -> torch.Tensor:
     return dst[tuple(slice(o, o + n) for o, n in zip(item.dst_offsets, item.src_lengths))]
 
@@ -492,8 +491,9 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
     the page cache, the kernel's read-ahead turns their interleaved runs into one sequential
     stream of the file, where direct reads seek between them. Measured on this project's VM
     (benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 0.863 s through
-    the cache against 1.105 s direct (the floor: 0.842 s); a rank reading its whole file (same
-    topology; 2 -> 1) is as fast or faster direct."""
+    the cache against 1.105 s direct (the floor: 0.842 s); settled (session 20), 0.953-0.971 s
+    through the cache against 0.985-0.989 s direct, overlapping; a rank reading its whole file
+    (same topology; 2 -> 1) is as fast or faster direct."""
     read: dict[str, int] = {}
     for r in plan.reads:
         read[r.file] = read.get(r.file, 0) + r.byte_range.length

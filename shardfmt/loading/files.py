@@ -81,7 +81,6 @@ class Readers:
         self._open.clear()
 
 
-
 class ReadAhead:
     """Keep the storage fetching up to ``window`` bytes of the reads after the one starting.
 

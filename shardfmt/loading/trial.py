@@ -2,14 +2,16 @@
 
 The device's choice (``io.choice``) is where a load starts. It is measured on 64 MiB a probe
 has just written, which a virtualised disk may still hold in its host's cache, and it is
-kept for days; the load's own reads are better evidence, and cost nothing extra to time.
-On this project's VM a one-process load of 1 GiB read 1.19 s direct and 0.84 s buffered in
-one run (the probe had said direct), and 0.73 s direct and 0.94 s buffered in another
-(benchmarks/README.md, session 19).
+kept for days. Where that probe could not tell the two ways apart (its spreads overlapped,
+it kept its mode on a narrow lead, or it could not measure), the load's own reads decide: a
+load with at least ``MIN_READS`` reads that may go around the page cache, all on one device,
+tries both. Where the probe separated them (``modes.Choice.clear``) the load keeps the
+device's way untried (``Executor._trial_for``): on this project's VM a trial did not beat
+the device's way on average over six runs, lost 9-15% to it in three, and was misled by
+buffered reads that run fast only while the page cache fills from memory freed moments
+before (benchmarks/README.md, session 20).
 
-So a load with at least ``MIN_READS`` reads that may go around the page cache, all on one
-device whose probe left doubt (where it separated the ways, ``Choice.clear``, a trial would
-only spend reads the slower way: ``Executor._trial_for``), tries both: its first ``TRIAL_READS`` such reads go the device's way, the next
+A tried load's first ``TRIAL_READS`` such reads go the device's way, the next
 ``TRIAL_READS`` the other way, each way alone (a worker asking for the second way's first
 read waits until every read of the first way has reported, and one asking once the second
 way's are all out waits for the decision), so neither way is timed against the other's
