@@ -200,12 +200,20 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
                         path=r.file)
             if r.after and hashed:
                 read_pieces(fd, spare[:r.after], r.src_offset + r.length, hashed=hashed, path=r.file)
-        if host is not None:
-            for t, h in zip(targets, host):
-                t.copy_(h, non_blocking=True)
+        _from_host(targets, host)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        _close(fds)
+
+
+def _from_host(targets: Sequence[torch.Tensor], host: Sequence[torch.Tensor] | None) -> None:
+    """Copy the host buffers the floor read into to the (GPU) targets; nothing without them."""
+    for t, h in zip(targets, host or ()):
+        t.copy_(h, non_blocking=True)
+
+
+def _close(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,12 +281,9 @@ def read_floor_direct(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor
                 if hashed:
                     hash_chunks(mv[b.lo - b.start:b.hi - b.start])
                 views[b.index][b.dst:b.dst + b.n] = mv[b.src - b.start:b.src - b.start + b.n]
-        if host is not None:
-            for t, h in zip(targets, host):
-                t.copy_(h, non_blocking=True)
+        _from_host(targets, host)
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        _close(fds)
 
 
 def memcpy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool) -> None:
