@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import shardfmt
+from shardfmt.io import choice, modes
 from shardfmt.io import local as local_io
-from shardfmt.io import modes
 from shardfmt.loading import trial as trial_mod
 from shardfmt.loading.trial import MIN_READS, TRIAL_READS, UNIT, ModeTrial
 from tests.pagecache import drops_pages, resident, resident_fraction, warm
@@ -120,8 +120,8 @@ def saved(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt")
     shardfmt.save(sd, path)
     monkeypatch.setenv("SHARDFMT_DIRECT_IO", "auto")
-    monkeypatch.setattr(local_io, "use_direct", lambda directory, op: True)  # the device's choice: direct
-    monkeypatch.setattr(local_io, "measured", lambda directory, op: DOUBTFUL)  # ... measured with doubt: tried
+    monkeypatch.setattr(choice, "use_direct", lambda directory, op: True)  # the device's choice: direct
+    monkeypatch.setattr(choice, "measured", lambda directory, op: DOUBTFUL)  # ... measured with doubt: tried
     probe = local_io._LocalReader(os.path.join(path, "COMMITTED"), local_io.IOStats())
     try:
         if not probe.can_direct():
@@ -175,7 +175,7 @@ def test_a_device_that_measured_clearly_is_not_tried_again(saved, monkeypatch):
     trying would only spend reads on the slower way (benchmarks/README.md, session 20)."""
     sd, path = saved
     clear = modes.Choice(D, "direct faster (spreads separate)", (0.05,) * 5, (0.08,) * 5)
-    monkeypatch.setattr(local_io, "measured", lambda directory, op: clear)
+    monkeypatch.setattr(choice, "measured", lambda directory, op: clear)
     large: list[int] = []
     real = local_io._LocalReader.readinto
     monkeypatch.setattr(local_io._LocalReader, "readinto",
@@ -186,7 +186,7 @@ def test_a_device_that_measured_clearly_is_not_tried_again(saved, monkeypatch):
     assert not rep.read_mode.direct_s and not rep.read_mode.buffered_s and not large  # no read went buffered
     for doubt in (DOUBTFUL, modes.Choice(D, "buffered faster by less than 10%: kept direct", (0.10,) * 5, (0.08,) * 5),
                   modes.Choice(D, "unmeasured")):
-        monkeypatch.setattr(local_io, "measured", lambda directory, op, doubt=doubt: doubt)
+        monkeypatch.setattr(choice, "measured", lambda directory, op, doubt=doubt: doubt)
         large.clear()
         rep = _load(path, sd)
         assert "this load's reads" in rep.read_mode.why and len(large) >= TRIAL_READS, doubt.why
@@ -255,7 +255,7 @@ def test_a_tried_read_that_fails_fails_the_load_without_hanging_the_waiting_work
                 time.sleep(0.2)  # the other workers are waiting for the direct way by now
                 raise shardfmt.errors.StorageError(f"{self._path}: injected read failure")
         return real(self, offset, buffers)
-    monkeypatch.setattr(local_io, "use_direct", lambda directory, op: False)  # the device's choice: buffered first
+    monkeypatch.setattr(choice, "use_direct", lambda directory, op: False)  # the device's choice: buffered first
     monkeypatch.setattr(local_io._LocalReader, "readinto", failing)
     files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if "data" in r]
     back = {k: torch.full_like(v, float("nan")) for k, v in sd.items()}

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Sequence
 
 from shardfmt.errors import IntegrityError, SpecialFileError
+from shardfmt.io import choice
 from shardfmt.io.aligned import DIRECT_ALIGN
-from shardfmt.io.choice import measured, use_direct
 from shardfmt.io.modes import Choice
 from shardfmt.io.posix import (
     CLOEXEC,
@@ -87,7 +87,7 @@ class _LocalWriter:
         ``pwrite_block`` then go from memory to the device, without a copy into the page
         cache. False (nothing changes) where the device writes faster buffered (``io.choice``),
         or the OS or the filesystem has no direct I/O."""
-        if not use_direct(os.path.dirname(self._path) or ".", "write"):
+        if not choice.use_direct(os.path.dirname(self._path) or ".", "write"):
             return False
         try:
             self._dfd = reopen_direct(self._fd, os.O_WRONLY)
@@ -188,13 +188,13 @@ class _LocalReader:
         handle is opened at the first question, on the file already open)."""
         with self._lock:
             if self._chosen is None:
-                self._chosen = use_direct(os.path.dirname(self._path) or ".", "read")
+                self._chosen = choice.use_direct(os.path.dirname(self._path) or ".", "read")
         return self._chosen and self.can_direct()
 
     def measured(self) -> Choice | None:
         """The device's choice for reads and the measurement behind it (``io.choice.measured``):
         a load whose device measured clearly does not try both ways again (``loading.trial``)."""
-        return measured(os.path.dirname(self._path) or ".", "read")
+        return choice.measured(os.path.dirname(self._path) or ".", "read")
 
     def can_direct(self) -> bool:
         """Whether ``read_block`` can go around the page cache, whatever the device's choice:

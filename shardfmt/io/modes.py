@@ -78,8 +78,8 @@ class Choice:
         their spreads apart (not a mode kept on overlap, a narrow lead or no measurement)."""
         if not self.direct_s or not self.buffered_s:
             return False
-        (d_lo, d_hi), (b_lo, b_hi) = spread(self.direct_s), spread(self.buffered_s)
-        return d_hi < b_lo if self.mode == DIRECT else b_hi < d_lo
+        apart = separated(self.direct_s, self.buffered_s)
+        return apart is not None and apart[0] == self.mode
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,17 @@ def spread(values: Sequence[float]) -> tuple[float, float]:
     return q(0.25), q(0.75)
 
 
+def separated(direct_s: Sequence[float], buffered_s: Sequence[float]) -> tuple[str, float, float] | None:
+    """The faster way when the two ways' spreads are apart, with the faster one's upper and
+    the slower one's lower quartile (the gap between them); None when the spreads overlap."""
+    (d_lo, d_hi), (b_lo, b_hi) = spread(direct_s), spread(buffered_s)
+    if d_hi < b_lo:
+        return DIRECT, d_hi, b_lo
+    if b_hi < d_lo:
+        return BUFFERED, b_hi, d_lo
+    return None
+
+
 def choose(direct_s: Sequence[float], buffered_s: Sequence[float], previous: str | None = None) -> Choice:
     """The mode for timings of both ways over the same bytes (``direct_s`` empty: the device
     refused direct I/O), given the mode in force before (``previous``; None: ``DEFAULT``)."""
@@ -120,14 +131,11 @@ def choose(direct_s: Sequence[float], buffered_s: Sequence[float], previous: str
     if not d:
         return Choice(BUFFERED, "the filesystem refuses O_DIRECT", d, b)
     current = previous if previous in MODES else DEFAULT
-    (d_lo, d_hi), (b_lo, b_hi) = spread(d), spread(b)
-    if d_hi < b_lo:
-        faster, lo, hi = DIRECT, d_hi, b_lo
-    elif b_hi < d_lo:
-        faster, lo, hi = BUFFERED, b_hi, d_lo
-    else:
+    apart = separated(d, b)
+    if apart is None:
         kept = "chosen before" if previous in MODES else "the default"
         return Choice(current, f"direct and buffered overlap: kept {current} ({kept})", d, b)
+    faster, lo, hi = apart
     if faster == current:
         return Choice(current, f"{faster} faster (spreads separate)", d, b)
     if lo * (1 + MARGIN) < hi:
