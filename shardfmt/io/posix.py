@@ -152,6 +152,30 @@ def sync_file_range(fd: int, offset: int, nbytes: int) -> None:
     fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE: start writeback, don't wait
 
 
+# fallocate(2) errors that mean "this filesystem cannot" (nothing was allocated), not a failure
+_NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM})
+
+
+def fallocate(fd: int, size: int) -> bool:
+    """Allocate ``fd``'s blocks for its first ``size`` bytes now and make that its size
+    (Linux ``fallocate`` mode 0; the blocks read as zeros until written). False where the OS
+    or the filesystem cannot (never emulated by writing zeros, as glibc's
+    ``posix_fallocate`` would); OSError for a real failure (ENOSPC: the disk is full)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "fallocate", None)
+    if fn is None or size <= 0:
+        return False
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if fn(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_FALLOCATE:
+        return False
+    raise OSError(err, os.strerror(err))
+
+
 def fadvise(fd: int, offset: int, length: int, advice: str) -> None:
     """``posix_fadvise(fd, offset, length, POSIX_FADV_<advice>)`` where the OS has it (a hint:
     never an error; ``length`` 0 is to the end of the file)."""

@@ -136,6 +136,7 @@ def write_shard_file(
     path = storage.join(directory, name)
     w = storage.open_writer(path)
     try:
+        _reserve(w, header.file_size)
         segments = _direct_segments(header, shards)
         parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
         # durable writes of a large file bypass the page cache where the filesystem allows, on
@@ -154,6 +155,14 @@ def write_shard_file(
     if total != header.file_size:
         raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
     return _written_file(name, rank, header, shards, chunks, grid)
+
+
+def _reserve(w, size: int) -> None:
+    """Allocate a data file's bytes before writing them, where the storage can (a local
+    file's ``reserve``: one contiguous layout, and a full disk fails before the write)."""
+    reserve = getattr(w, "reserve", None)
+    if reserve is not None:
+        reserve(size)
 
 
 def file_grid(header: EncodedHeader, chunk_size: int, *, aligned: bool) -> hashing.ChunkGrid:
@@ -286,6 +295,7 @@ class FileStream:
         self._out = _OrderedHasher(self._w, self.grid, hash_pool=hash_pool)
         self._done = False
         try:
+            _reserve(self._w, header.file_size)
             self._out.write(header.data)
         except BaseException:
             self.abort()

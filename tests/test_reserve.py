@@ -1,0 +1,131 @@
+"""A save allocates each data file's bytes before writing them (``fallocate``): the file is laid
+out in a few long runs however its parts are written, and a disk without the room fails the
+save before a byte of the file is written, with an error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardfmt
+from shardfmt.io import local as local_io
+from shardfmt.io import posix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fallocate is Linux's")
+
+
+def _state(n: int = 4) -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(n)}  # 2 MiB each
+
+
+def test_every_data_file_is_allocated_whole_before_its_first_byte(tmp_path, monkeypatch):
+    events: list[tuple[str, int, int]] = []  # (what, fd, bytes)
+    real_fallocate, real_write, real_pwrite = posix.fallocate, os.write, os.pwrite
+
+    def fallocate(fd, size):
+        events.append(("reserve", fd, size))
+        return real_fallocate(fd, size)
+
+    def write(fd, data):
+        events.append(("write", fd, memoryview(data).nbytes))
+        return real_write(fd, data)
+
+    def pwrite(fd, data, offset):
+        events.append(("write", fd, memoryview(data).nbytes))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local_io, "fallocate", fallocate)
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "0")  # buffered: every data byte goes through os.(p)write
+    shardfmt.save(_state(), str(tmp_path / "ck"), write_workers=3, part_size=1 << 20)
+
+    reserved = [(fd, size) for what, fd, size in events if what == "reserve"]
+    sizes = sorted(os.path.getsize(p) for p in (tmp_path / "ck" / "data").iterdir())
+    assert sorted(size for _, size in reserved) == sizes  # each data file, at its final size
+    for fd, _ in reserved:
+        first = next(i for i, (what, f, _) in enumerate(events) if f == fd)
+        assert events[first][0] == "reserve"  # before the file's first write
+
+
+def test_a_converted_checkpoint_s_files_are_allocated_whole_too(tmp_path, monkeypatch):
+    from reshard.convert import convert
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    shardfmt.save(_state(), src)
+    reserved: list[int] = []
+    real = posix.fallocate
+    monkeypatch.setattr(local_io, "fallocate", lambda fd, size: reserved.append(size) or real(fd, size))
+    convert(src, dst, "tp=2", memory_budget="4MiB")  # streams each output file in order
+    sizes = sorted(os.path.getsize(os.path.join(dst, "data", f)) for f in os.listdir(os.path.join(dst, "data")))
+    assert sorted(reserved) == sizes and len(sizes) == 2
+
+
+def test_where_the_filesystem_cannot_allocate_nothing_happens():
+    fd = os.open(os.devnull, os.O_WRONLY)  # a character device: fallocate says ENODEV
+    try:
+        assert posix.fallocate(fd, 1 << 20) is False
+    finally:
+        os.close(fd)
+
+
+_FULL_DISK = r"""
+import json, os, resource, signal, sys
+import torch
+import shardfmt
+from shardfmt.errors import StorageError
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit: EFBIG, as a full disk's ENOSPC
+written = {"data": 0}
+real_write, real_pwrite = os.write, os.pwrite
+
+def _data(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors")
+    except OSError:
+        return False
+
+def write(fd, data):
+    if _data(fd):
+        written["data"] += memoryview(data).nbytes
+    return real_write(fd, data)
+
+def pwrite(fd, data, offset):
+    if _data(fd):
+        written["data"] += memoryview(data).nbytes
+    return real_pwrite(fd, data, offset)
+
+os.write, os.pwrite = write, pwrite
+state = {f"w{i}": torch.ones(512, 1024) for i in range(4)}  # 8 MiB, in one data file
+resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))
+try:
+    shardfmt.save(state, sys.argv[1])
+    out = {"error": None}
+except StorageError as e:
+    out = {"error": str(e), "type": type(e).__name__}
+out["written"] = written["data"]
+print(json.dumps(out))
+"""
+
+
+def test_a_disk_without_room_fails_the_save_before_the_file_is_written(tmp_path):
+    target = tmp_path / "ck"
+    env = {**os.environ, "SHARDFMT_DIRECT_IO": "1", "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, str(target)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if out["error"] is None:
+        pytest.skip("this filesystem does not allocate ahead (fallocate unsupported)")
+    assert "rank_00000.safetensors" in out["error"] and "allocating" in out["error"]
+    assert "File too large" in out["error"]
+    assert out["written"] == 0  # not a byte of the file: the failure came first
+    assert not target.exists() and list(tmp_path.iterdir()) == []  # nothing half-written left behind
