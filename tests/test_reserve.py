@@ -69,6 +69,20 @@ def test_a_converted_checkpoint_s_files_are_allocated_whole_too(tmp_path, monkey
     assert sorted(reserved) == sizes and len(sizes) == 2
 
 
+def test_an_archived_copy_s_files_are_allocated_whole_too(tmp_path, monkeypatch):
+    from shardfmt.io.local import LocalStorage
+    from shardfmt.training.archive import copy_checkpoint
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    shardfmt.save(_state(), src)
+    reserved: list[int] = []
+    real = posix.fallocate
+    monkeypatch.setattr(local_io, "fallocate", lambda fd, size: reserved.append(size) or real(fd, size))
+    copy_checkpoint(LocalStorage(), src, LocalStorage(), dst)
+    sizes = [os.path.getsize(os.path.join(dst, "data", f)) for f in os.listdir(os.path.join(dst, "data"))]
+    assert sorted(reserved) == sorted(sizes) and sizes
+
+
 def test_where_the_filesystem_cannot_allocate_nothing_happens():
     fd = os.open(os.devnull, os.O_WRONLY)  # a character device: fallocate says ENODEV
     try:

@@ -28,7 +28,7 @@ from shardfmt.format.tensor_bytes import DEFAULT_PIECE_BYTES, byte_pieces, byte_
 from shardfmt.io import aligned as aligned_io
 from shardfmt.io import probe
 from shardfmt.io.aligned import DIRECT_ALIGN, address
-from shardfmt.io.store import Storage
+from shardfmt.io.store import Storage, reserve
 from shardfmt.saving.messages import WrittenFile
 from shardfmt.saving.options import DEFAULT_PART_SIZE
 
@@ -136,7 +136,7 @@ def write_shard_file(
     path = storage.join(directory, name)
     w = storage.open_writer(path)
     try:
-        _reserve(w, header.file_size)
+        reserve(w, header.file_size)
         segments = _direct_segments(header, shards)
         parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
         # durable writes of a large file bypass the page cache where the filesystem allows, on
@@ -155,14 +155,6 @@ def write_shard_file(
     if total != header.file_size:
         raise CommitError(f"{path}: wrote {total} bytes, header promised {header.file_size}")
     return _written_file(name, rank, header, shards, chunks, grid)
-
-
-def _reserve(w, size: int) -> None:
-    """Allocate a data file's bytes before writing them, where the storage can (a local
-    file's ``reserve``: one contiguous layout, and a full disk fails before the write)."""
-    reserve = getattr(w, "reserve", None)
-    if reserve is not None:
-        reserve(size)
 
 
 def file_grid(header: EncodedHeader, chunk_size: int, *, aligned: bool) -> hashing.ChunkGrid:
@@ -295,7 +287,7 @@ class FileStream:
         self._out = _OrderedHasher(self._w, self.grid, hash_pool=hash_pool)
         self._done = False
         try:
-            _reserve(self._w, header.file_size)
+            reserve(self._w, header.file_size)
             self._out.write(header.data)
         except BaseException:
             self.abort()

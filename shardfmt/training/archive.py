@@ -29,7 +29,7 @@ from shardfmt.errors import CheckpointExistsError, IntegrityError, ShardfmtError
 from shardfmt.format import hashing, refs
 from shardfmt.format.manifest import DATA_DIR, INDEX_DIR, FileRecord, Manifest
 from shardfmt.io.documents import rank_entries, read_vouched
-from shardfmt.io.store import Storage
+from shardfmt.io.store import Storage, reserve
 from shardfmt.loading.reader import open_checkpoint
 from shardfmt.validation import check_files
 
@@ -96,6 +96,7 @@ def copy_file(src: Storage, src_root: str, dst: Storage, dst_root: str, name: st
     hasher = grid.hasher(grid.chunked_from)  # v2: the header is checked by its digest, not chunked
     view = memoryview(buf)
     try:
+        reserve(writer, frec.size)
         pos = 0
         while pos < frec.size:
             n = min(len(buf), frec.size - pos)
