@@ -246,7 +246,7 @@ def floor_write(c: Call, hashed: bool = True) -> None:
                        host=c.env.bounce("save", b.locals))
 
 
-def floor_read(c: Call, hashed: bool = True, direct: bool = False) -> dict | None:
+def floor_read(c: Call, hashed: bool = True, direct: bool = False, hinted: bool = False) -> dict | None:
     b = c.built
     key = ("floor.plan", c.phase, c.src)
     if key not in c.env.cache:
@@ -260,7 +260,7 @@ def floor_read(c: Call, hashed: bool = True, direct: bool = False) -> dict | Non
         except OSError as e:  # a filesystem without O_DIRECT: the buffered floor, said so in the record
             if e.errno != errno.EINVAL:
                 raise
-    floors.read_floor(reads, b.locals, hashed=hashed, host=host)
+    floors.read_floor(reads, b.locals, hashed=hashed, host=host, hinted=hinted)
     return {"floor_direct": 0.0} if direct else None
 
 
@@ -356,6 +356,8 @@ def _all() -> list[Candidate]:
         Candidate(name="safetensors.save", kind=S, run=st_save),
         Candidate(name="shardfmt.save(pp=2,tp=2)", kind=S, run=save_tp_pp, makes_dir=False),
         Candidate(name="floor.read", kind=L, run=floor_read, reads="floor.write", exact_check=False),
+        Candidate(name="floor.read@hinted", kind=L, run=functools.partial(floor_read, hinted=True),
+                  reads="floor.write", exact_check=False),
         Candidate(name="floor.read@direct", kind=L, run=functools.partial(floor_read, direct=True),
                   reads="floor.write", exact_check=False),
         Candidate(name="raw.read", kind=L, run=lambda c: floor_read(c, hashed=False), reads="raw.write",

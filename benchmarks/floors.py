@@ -4,7 +4,8 @@
   pieces, xxh3-128 over every 1 MiB chunk first (``hashed``), then fsync: the least a
   hashed, durable writer must do. ``hashed=False`` is the raw write.
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
-  1 MiB chunk (single thread). The direct read floor (``read_floor_direct``) reads the same
+  1 MiB chunk (single thread); the hinted read floor (``hinted``) asks the kernel for every
+  range first (``POSIX_FADV_WILLNEED``), the device's depth without threads. The direct read floor (``read_floor_direct``) reads the same
   ranges around the page cache: ``O_DIRECT`` blocks of 16 MiB, rounded out to 4 KiB, into
   two reused page-aligned buffers, the next block read on a thread while this one is hashed
   and copied into the targets. ``floor_reads`` plans which byte ranges of the saved floor
@@ -184,12 +185,20 @@ def _ideal_reads(i, t: Box, owners, offs, floor_dir, item, rank) -> list[FloorRe
 
 
 def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, hashed: bool,
-               host: Sequence[torch.Tensor] | None = None) -> None:
-    """Do ``reads`` into ``targets`` (through ``host`` buffers, then copied, for GPU targets)."""
+               host: Sequence[torch.Tensor] | None = None, hinted: bool = False) -> None:
+    """Do ``reads`` into ``targets`` (through ``host`` buffers, then copied, for GPU targets).
+    ``hinted``: every read's range (widened as it is read) is first asked of the kernel at once
+    (``POSIX_FADV_WILLNEED``), so the device works at full depth from the start."""
     fds: dict[str, int] = {}
     spare = memoryview(bytearray(CHUNK)) if hashed and any(r.before or r.after for r in reads) else None
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
+        for r in reads if hinted else ():
+            fd = fds.get(r.file)
+            if fd is None:
+                fd = fds[r.file] = os.open(r.file, os.O_RDONLY)
+            lo = r.src_offset - (r.before if hashed else 0)
+            os.posix_fadvise(fd, lo, r.length + (r.before + r.after if hashed else 0), os.POSIX_FADV_WILLNEED)
         for r in reads:
             fd = fds.get(r.file)
             if fd is None:

@@ -9,6 +9,7 @@ and reads its JSON report.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -185,7 +186,8 @@ def _reads_direct(directory) -> bool:
         os.remove(path)
 
 
-@pytest.mark.parametrize("read", [floors.read_floor, floors.read_floor_direct], ids=["buffered", "direct"])
+@pytest.mark.parametrize("read", [floors.read_floor, functools.partial(floors.read_floor, hinted=True),
+                                  floors.read_floor_direct], ids=["buffered", "hinted", "direct"])
 @pytest.mark.parametrize("layout,world", [("rows", 2), ("rows", 4), ("full", 1)])
 def test_floor_reads_of_a_two_rank_floor_save_are_exact(tmp_path, layout, world, read):
     if read is floors.read_floor_direct and not _reads_direct(tmp_path):

@@ -3,7 +3,7 @@
 from benchmarks.harness.model import Phase, Scenario, StateSpec, throughput
 
 SAVES = ("floor.write", "shardfmt.save", "shardfmt.save@direct", "shardfmt.save@buffered")
-LOADS = ("floor.read", "floor.read@direct", "shardfmt.load", "shardfmt.load@direct", "shardfmt.load@buffered")
+LOADS = ("floor.read", "floor.read@hinted", "floor.read@direct", "shardfmt.load", "shardfmt.load@direct", "shardfmt.load@buffered")
 LOAD_PHASES = (("load", None, "rows"), ("2->1", 1, "full"), ("2->4", 4, "rows"))
 
 SCENARIOS = (Scenario(
