@@ -194,15 +194,11 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
         for r in reads if hinted else ():
-            fd = fds.get(r.file)
-            if fd is None:
-                fd = fds[r.file] = os.open(r.file, os.O_RDONLY)
             lo = r.src_offset - (r.before if hashed else 0)
-            os.posix_fadvise(fd, lo, r.length + (r.before + r.after if hashed else 0), os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(_fd(fds, r.file), lo, r.length + (r.before + r.after if hashed else 0),
+                             os.POSIX_FADV_WILLNEED)
         for r in reads:
-            fd = fds.get(r.file)
-            if fd is None:
-                fd = fds[r.file] = os.open(r.file, os.O_RDONLY)
+            fd = _fd(fds, r.file)
             if r.before and hashed:  # a reader that verifies nothing reads no whole chunks
                 read_pieces(fd, spare[:r.before], r.src_offset - r.before, hashed=hashed, path=r.file)
             read_pieces(fd, views[r.index][r.dst_offset:r.dst_offset + r.length], r.src_offset, hashed=hashed,
@@ -212,6 +208,14 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
         _from_host(targets, host)
     finally:
         _close(fds)
+
+
+def _fd(fds: dict[str, int], path: str) -> int:
+    """``path`` opened for reading, once (kept in ``fds``)."""
+    fd = fds.get(path)
+    if fd is None:
+        fd = fds[path] = os.open(path, os.O_RDONLY)
+    return fd
 
 
 def _from_host(targets: Sequence[torch.Tensor], host: Sequence[torch.Tensor] | None) -> None:

@@ -549,3 +549,26 @@ def test_the_command_shows_the_choice_and_measures_again_on_request(tmp_path, me
     assert doc["probes"] == 2 and set(doc["choices"]) == {"read", "write"}
     assert shardfmt_main(["io-modes", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_the_probe_writes_into_files_allocated_first_as_a_save_does(work, monkeypatch, direct):
+    monkeypatch.setattr(probe, "PROBE_BYTES", 2 << 20)
+    events: list[tuple[str, int, bool]] = []
+    real_fallocate, real_pwrite = probe.fallocate, os.pwrite
+
+    def fallocate(fd, size, *, grow=False):
+        events.append(("reserve", size, grow))
+        return real_fallocate(fd, size, grow=grow)
+
+    def pwrite(fd, v, o):
+        events.append(("write", 0, False))
+        return real_pwrite(fd, v, o)
+
+    monkeypatch.setattr(probe, "fallocate", fallocate)
+    monkeypatch.setattr(probe.os, "pwrite", pwrite)
+    with probe._Probe(str(work), 2) as p:
+        p._write(direct)
+    reserves = [e for e in events if e[0] == "reserve"]
+    assert reserves == [("reserve", p._part, direct)] * 2  # each stream's file, grown where written direct
+    assert events.index(("write", 0, False)) > events.index(reserves[-1])  # before any byte

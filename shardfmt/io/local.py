@@ -53,18 +53,20 @@ class _LocalWriter:
         except OSError as e:
             raise storage_error(path, e, "create") from None
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, *, grow: bool = False) -> None:
         """Allocate the file's ``size`` bytes on the device before any is written
         (``fallocate``), where the filesystem can; nothing happens where it cannot.
 
         The filesystem then lays the file out in a few long runs, so it reads back sequentially
         even though threads write its parts out of order; without it, the parallel writes of
-        two ranks' files interleave on the device in part-sized pieces. Direct writes into the
-        allocated range (no longer past the end) also run in parallel where the filesystem
-        would serialise extending ones (ext4, XFS). A disk without ``size`` bytes free fails
-        here, before a byte is written: a StorageError naming the file."""
+        two ranks' files interleave on the device in part-sized pieces. A disk without
+        ``size`` bytes free fails here, before a byte of the file is written: a StorageError
+        naming it. ``grow``: the file's size becomes ``size`` at once, so direct writes of its
+        parts land inside it instead of extending it (which ext4 and XFS serialise; ext4 runs
+        writes into allocated blocks in parallel since Linux 6.3). Otherwise the size stays the
+        bytes written, and a file cut short by a crash still looks short."""
         try:
-            fallocate(self._fd, size)
+            fallocate(self._fd, size, grow=grow)
         except OSError as e:
             raise storage_error(self._path, e, f"allocating {size} bytes") from None
 

@@ -124,11 +124,16 @@ def reopen_direct(fd: int, flags: int) -> int:
 _libc = None
 
 
-def renameat2_exchange(a: str, b: str) -> None:
+def _lib():
+    """The C library (loaded once), for the calls Python's ``os`` lacks."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "renameat2", None)
+    return _libc
+
+
+def renameat2_exchange(a: str, b: str) -> None:
+    fn = getattr(_lib(), "renameat2", None)
     if fn is None:
         raise OSError(errno.ENOSYS, "renameat2 not available")
     at_fdcwd, rename_exchange = -100, 2
@@ -142,10 +147,7 @@ WRITEBACK_BYTES = 32 << 20
 
 def sync_file_range(fd: int, offset: int, nbytes: int) -> None:
     """Start writeback of ``[offset, offset + nbytes)`` now (Linux), so fsync waits only for the tail."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "sync_file_range", None)
+    fn = getattr(_lib(), "sync_file_range", None)
     if fn is None:
         return
     fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
@@ -154,26 +156,40 @@ def sync_file_range(fd: int, offset: int, nbytes: int) -> None:
 
 # fallocate(2) errors that mean "this filesystem cannot" (nothing was allocated), not a failure
 _NO_FALLOCATE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV, errno.EPERM})
+_KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE
+_fallocate = None
 
 
-def fallocate(fd: int, size: int) -> bool:
-    """Allocate ``fd``'s blocks for its first ``size`` bytes now and make that its size
-    (Linux ``fallocate`` mode 0; the blocks read as zeros until written). False where the OS
-    or the filesystem cannot (never emulated by writing zeros, as glibc's
+def _fallocate_fn():
+    global _fallocate
+    if _fallocate is None:
+        lib = _lib()
+        fn = getattr(lib, "fallocate64", None) or getattr(lib, "fallocate", None)  # 64-bit offsets everywhere
+        if fn is not None:
+            fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        _fallocate = fn or False
+    return _fallocate
+
+
+def fallocate(fd: int, size: int, *, grow: bool = False) -> bool:
+    """Allocate ``fd``'s blocks for its first ``size`` bytes now (Linux ``fallocate``; they read
+    as zeros until written). ``grow``: the file's size becomes ``size`` (mode 0: positional
+    writes inside it do not extend the file); else it stays the bytes written so far
+    (``FALLOC_FL_KEEP_SIZE``: a file cut short still looks short). True when allocated;
+    False where the OS or the filesystem cannot (never emulated by writing zeros, as glibc's
     ``posix_fallocate`` would); OSError for a real failure (ENOSPC: the disk is full)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "fallocate", None)
-    if fn is None or size <= 0:
+    fn = _fallocate_fn()
+    if not fn or size <= 0:
         return False
-    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    if fn(fd, 0, 0, size) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _NO_FALLOCATE:
-        return False
-    raise OSError(err, os.strerror(err))
+    mode = 0 if grow else _KEEP_SIZE
+    while fn(fd, mode, 0, size) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EINTR:  # a signal arrived (tmpfs on older kernels): again, as PEP 475 does
+            continue
+        if err in _NO_FALLOCATE:
+            return False
+        raise OSError(err, os.strerror(err))
+    return True
 
 
 def fadvise(fd: int, offset: int, length: int, advice: str) -> None:

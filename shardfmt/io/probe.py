@@ -23,7 +23,7 @@ from shardfmt.errors import StorageError
 from shardfmt.format.hashing import DEFAULT_CHUNK_SIZE, xxh3_raw
 from shardfmt.io import modes
 from shardfmt.io.aligned import DIRECT_ALIGN, MAX_BLOCK, MIN_THREADS, Bounce
-from shardfmt.io.posix import CLOEXEC, fadvise, reopen_direct
+from shardfmt.io.posix import CLOEXEC, fadvise, fallocate, reopen_direct
 
 log = logging.getLogger("shardfmt")
 
@@ -157,6 +157,8 @@ class _Probe:
     def _write(self, direct: bool) -> tuple[list[int], float]:
         fds = [self._file() for _ in range(self._streams)]
         t = time.perf_counter()
+        for fd in fds:  # allocated first, as a save's files are (``io.store.reserve``)
+            fallocate(fd, self._part, grow=direct and "write" not in self._refused)
         self._transfer(fds, direct, "write", lambda h, v, o: os.pwrite(h, v, o))
         for fd in fds:
             os.fsync(fd)

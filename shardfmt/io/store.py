@@ -74,16 +74,17 @@ class FileWriter(Protocol):
     def close(self, *, sync: bool = True) -> None: ...
     def abort(self) -> None: ...
     # Optional, where the file's blocks can be allocated ahead (local files):
-    # ``reserve(size)``, the file's ``size`` bytes allocated before the first is written.
+    # ``reserve(size, grow=...)``, the file's ``size`` bytes allocated before the first is written.
 
 
-def reserve(writer: FileWriter, size: int) -> None:
+def reserve(writer: FileWriter, size: int, *, grow: bool = False) -> None:
     """Allocate the file ``writer`` writes at its final ``size`` before its first byte, where
     the writer can (a local file's ``reserve``: one contiguous layout, and a disk without the
-    room fails here); nothing elsewhere (an object store)."""
+    room fails here); nothing elsewhere (an object store). ``grow``: the file takes that size
+    at once (parts written in parallel, direct: see ``LocalStorage``'s writer)."""
     ahead = getattr(writer, "reserve", None)
     if ahead is not None:
-        ahead(size)
+        ahead(size, grow=grow)
 
 
 class FileReader(Protocol):

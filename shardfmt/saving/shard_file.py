@@ -136,12 +136,12 @@ def write_shard_file(
     path = storage.join(directory, name)
     w = storage.open_writer(path)
     try:
-        reserve(w, header.file_size)
         segments = _direct_segments(header, shards)
         parts = segments is not None and hasattr(w, "pwrite") and header.file_size > part_size
         # durable writes of a large file bypass the page cache where the filesystem allows, on
         # MIN_THREADS at least: they mostly wait on the device, and keep its queue full
         direct = parts and sync and part_size % DIRECT_ALIGN == 0 and hasattr(w, "open_direct") and w.open_direct()
+        reserve(w, header.file_size, grow=direct)  # before its first byte; direct parts: inside its size
         if direct or (parts and workers > 1):
             chunks, total = _write_parts(w, segments, grid, part_size=part_size,
                                          workers=max(workers, aligned_io.MIN_THREADS) if direct else workers,
