@@ -90,31 +90,34 @@ def test_an_allocated_file_holds_its_blocks_and_keeps_its_size_unless_it_grows(t
         assert path.read_bytes()[:4096] == b"x" * 4096
 
 
-def test_a_converted_checkpoint_s_files_are_allocated_whole_too(tmp_path, monkeypatch):
+def _convert(src: str, dst: str) -> None:
     from reshard.convert import convert
 
-    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    shardfmt.save(_state(), src)
-    reserved: list[int] = []
-    real = posix.fallocate
-    monkeypatch.setattr(local_io, "fallocate", lambda fd, size, grow=False: reserved.append(size) or real(fd, size))
     convert(src, dst, "tp=2", memory_budget="4MiB")  # streams each output file in order
-    sizes = sorted(os.path.getsize(os.path.join(dst, "data", f)) for f in os.listdir(os.path.join(dst, "data")))
-    assert sorted(reserved) == sizes and len(sizes) == 2
 
 
-def test_an_archived_copy_s_files_are_allocated_whole_too(tmp_path, monkeypatch):
+def _archive(src: str, dst: str) -> None:
     from shardfmt.io.local import LocalStorage
     from shardfmt.training.archive import copy_checkpoint
 
+    copy_checkpoint(LocalStorage(), src, LocalStorage(), dst)
+
+
+@pytest.mark.parametrize("write", [_convert, _archive], ids=["convert", "archive"])
+def test_the_offline_writers_files_are_allocated_whole_too(tmp_path, monkeypatch, write):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     shardfmt.save(_state(), src)
-    reserved: list[int] = []
+    reserved: list[tuple[int, bool]] = []
     real = posix.fallocate
-    monkeypatch.setattr(local_io, "fallocate", lambda fd, size, grow=False: reserved.append(size) or real(fd, size))
-    copy_checkpoint(LocalStorage(), src, LocalStorage(), dst)
-    sizes = [os.path.getsize(os.path.join(dst, "data", f)) for f in os.listdir(os.path.join(dst, "data"))]
-    assert sorted(reserved) == sorted(sizes) and sizes
+
+    def fallocate(fd, size, *, grow=False):
+        reserved.append((size, grow))
+        return real(fd, size, grow=grow)
+
+    monkeypatch.setattr(local_io, "fallocate", fallocate)
+    write(src, dst)
+    sizes = sorted(os.path.getsize(os.path.join(dst, "data", f)) for f in os.listdir(os.path.join(dst, "data")))
+    assert sizes and sorted(reserved) == [(n, False) for n in sizes]  # in order: each keeps its written size
 
 
 def test_where_the_filesystem_cannot_allocate_nothing_happens():
