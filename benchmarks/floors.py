@@ -5,10 +5,10 @@
   hashed, durable writer must do. ``hashed=False`` is the raw write.
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
   1 MiB chunk (single thread); the hinted read floor (``hinted``) asks the kernel for every
-  range first (``POSIX_FADV_WILLNEED``), the device's depth without threads. The direct read floor (``read_floor_direct``) reads the same
-  ranges around the page cache: ``O_DIRECT`` blocks of 16 MiB, rounded out to 4 KiB, into
-  two reused page-aligned buffers, the next block read on a thread while this one is hashed
-  and copied into the targets. ``floor_reads`` plans which byte ranges of the saved floor
+  range first (``POSIX_FADV_WILLNEED``), the device's depth without threads. The direct read
+  floor (``read_floor_direct``) reads the same ranges around the page cache: ``O_DIRECT``
+  blocks of 16 MiB, rounded out to 4 KiB, into two reused page-aligned buffers, the next
+  block read on a thread while this one is hashed and copied into the targets. ``floor_reads`` plans which byte ranges of the saved floor
   files a target layout needs: exact ranges where the needed piece is contiguous in both
   the file and the target (same layout, a dim-0 reshard, a replicated tensor), widened to
   whole hash chunks as a verified reader must read them (chunks cut from each piece's start,
@@ -105,6 +105,12 @@ class FloorRead:
     before: int = 0
     after: int = 0
 
+    def span(self, *, hashed: bool) -> tuple[int, int]:
+        """The file's ``[start, end)`` this read takes: widened to whole chunks when ``hashed``."""
+        if not hashed:
+            return self.src_offset, self.src_offset + self.length
+        return self.src_offset - self.before, self.src_offset + self.length + self.after
+
 
 def _contiguous(outer: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> int | None:
     """Element offset of the sub-box in row-major ``outer`` when it is one contiguous run, else None."""
@@ -194,9 +200,8 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
         for r in reads if hinted else ():
-            lo = r.src_offset - (r.before if hashed else 0)
-            os.posix_fadvise(_fd(fds, r.file), lo, r.length + (r.before + r.after if hashed else 0),
-                             os.POSIX_FADV_WILLNEED)
+            lo, hi = r.span(hashed=hashed)
+            os.posix_fadvise(_fd(fds, r.file), lo, hi - lo, os.POSIX_FADV_WILLNEED)
         for r in reads:
             fd = _fd(fds, r.file)
             if r.before and hashed:  # a reader that verifies nothing reads no whole chunks
@@ -249,8 +254,7 @@ class _Block:
 def _direct_blocks(reads: Sequence[FloorRead], *, hashed: bool) -> list[_Block]:
     out = []
     for r in reads:
-        lo = r.src_offset - (r.before if hashed else 0)
-        hi = r.src_offset + r.length + (r.after if hashed else 0)
+        lo, hi = r.span(hashed=hashed)
         for start in range(lo - lo % DIRECT_ALIGN, hi, DIRECT_BLOCK):
             end = min(start + DIRECT_BLOCK, -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN)
             src, stop = max(start, r.src_offset), min(end, r.src_offset + r.length)
