@@ -5,7 +5,8 @@
   hashed, durable writer must do. ``hashed=False`` is the raw write.
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
   1 MiB chunk (single thread); the hinted read floor (``hinted``) asks the kernel for every
-  range first (``POSIX_FADV_WILLNEED``), the device's depth without threads. The direct read
+  range first (``POSIX_FADV_WILLNEED``, in ``HINT`` pieces: the kernel reads only the first
+  read-ahead's worth of a longer hint), the device's depth without threads. The direct read
   floor (``read_floor_direct``) reads the same ranges around the page cache: ``O_DIRECT``
   blocks of 16 MiB, rounded out to 4 KiB, into two reused page-aligned buffers, the next
   block read on a thread while this one is hashed and copied into the targets. ``floor_reads`` plans which byte ranges of the saved floor
@@ -42,6 +43,7 @@ PIECE = 8 << 20  # bytes per os.write / os.preadv call
 CHUNK = 1 << 20  # bytes per hashed chunk (shardfmt's default chunk size)
 DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: multiples of this
 DIRECT_BLOCK = 16 << 20  # bytes per O_DIRECT preadv of the direct read floor
+HINT = 128 << 10  # bytes per WILLNEED hint: Linux reads at most a read-ahead's worth of one (128 KiB by default)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -194,14 +196,15 @@ def read_floor(reads: Sequence[FloorRead], targets: Sequence[torch.Tensor], *, h
                host: Sequence[torch.Tensor] | None = None, hinted: bool = False) -> None:
     """Do ``reads`` into ``targets`` (through ``host`` buffers, then copied, for GPU targets).
     ``hinted``: every read's range (widened as it is read) is first asked of the kernel at once
-    (``POSIX_FADV_WILLNEED``), so the device works at full depth from the start."""
+    (``POSIX_FADV_WILLNEED``, in ``HINT`` pieces), so the device works at full depth from the start."""
     fds: dict[str, int] = {}
     spare = memoryview(bytearray(CHUNK)) if hashed and any(r.before or r.after for r in reads) else None
     try:
         views = [byte_view(t if host is None else host[i]) for i, t in enumerate(targets)]
         for r in reads if hinted else ():
             lo, hi = r.span(hashed=hashed)
-            os.posix_fadvise(_fd(fds, r.file), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            for pos in range(lo, hi, HINT):
+                os.posix_fadvise(_fd(fds, r.file), pos, min(HINT, hi - pos), os.POSIX_FADV_WILLNEED)
         for r in reads:
             fd = _fd(fds, r.file)
             if r.before and hashed:  # a reader that verifies nothing reads no whole chunks

@@ -106,3 +106,39 @@ def test_read_ahead_hints_every_read_once_and_stays_within_its_window():
         for g, s2, e2 in spans[i + 1:]:
             assert f != g or e <= s2 or e2 <= s
     assert len(hinted) < len(reads)  # adjacent reads of a file went as one hint
+
+
+def test_a_buffered_load_hints_its_first_window_before_any_read_starts(tmp_path, monkeypatch):
+    """A read that overtakes the hint for its bytes fetches them itself (on-demand read-ahead, at
+    several times the CPU on the development VM): the first window is asked for before the
+    reading threads start, not by the first of them while the others read on."""
+    import threading
+    import time
+
+    from shardfmt.io import local
+
+    state = {f"w{i}": torch.randn(64, 1024) for i in range(6)}
+    shardfmt.save(state, str(tmp_path / "c"))
+    monkeypatch.setenv("SHARDFMT_DIRECT_IO", "0")
+    events: list[str] = []
+    lock = threading.Lock()
+    prefetch, readinto = local._LocalReader.prefetch, local._LocalReader.readinto
+
+    def slow_prefetch(self, offset, length):
+        time.sleep(0.2)  # a hint over a busy device takes a while to submit
+        prefetch(self, offset, length)
+        with lock:
+            events.append("hinted")
+
+    def logged_readinto(self, offset, buffers):
+        with lock:
+            events.append("read" if sum(len(b) for b in buffers) >= 64 * 1024 * 4 else "header")
+        return readinto(self, offset, buffers)
+
+    monkeypatch.setattr(local._LocalReader, "prefetch", slow_prefetch)
+    monkeypatch.setattr(local._LocalReader, "readinto", logged_readinto)
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    shardfmt.load(out, str(tmp_path / "c"), workers=4, max_read=64 * 1024 * 4)  # a read a tensor
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    data = [e for e in events if e != "header"]
+    assert data.count("read") == len(state) and data[0] == "hinted", data

@@ -34,6 +34,7 @@ from shardfmt.io.posix import (
     storage_error,
     sync_file_range,
     walk_tree,
+    willneed,
 )
 from shardfmt.io.store import PROCESS_IO, IOStats
 
@@ -246,8 +247,9 @@ class _LocalReader:
         self.readinto(offset, [buffer[:nbytes]])
 
     def prefetch(self, offset: int, length: int) -> None:
-        """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait)."""
-        fadvise(self._fd, offset, length, "WILLNEED")
+        """Ask the kernel to start reading ``[offset, offset + length)`` now (no wait), all of it
+        (``posix.willneed``: one plain hint reads only its first read-ahead's worth)."""
+        willneed(self._fd, offset, length)
 
     def release(self, offset: int, length: int) -> None:
         """Tell the kernel ``[offset, offset + length)`` is done with (``POSIX_FADV_DONTNEED``):

@@ -41,7 +41,9 @@ MAX_NUMBER = float(1 << 53)  # seconds and Unix times in a cache document stay b
 MAX_PROCESSES = 1 << 16  # processes of one node (a cache entry naming more is not one)
 MAX_DOCUMENT = 1 << 20  # bytes: a larger cache document is not read
 KIND = "shardfmt-io-modes"
-VERSION = 2  # 2: writes are timed into files allocated first, as saves write (a version 1 choice is measured again)
+# 2: writes are timed into files allocated first, as saves write; 3: buffered reads are hinted whole
+# (``posix.willneed``), as loads hint them. An older choice is measured again.
+VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from shardfmt.errors import StorageError
 from shardfmt.format.hashing import DEFAULT_CHUNK_SIZE, xxh3_raw
 from shardfmt.io import modes
 from shardfmt.io.aligned import DIRECT_ALIGN, MAX_BLOCK, MIN_THREADS, Bounce
-from shardfmt.io.posix import CLOEXEC, fadvise, fallocate, reopen_direct
+from shardfmt.io.posix import CLOEXEC, fadvise, fallocate, reopen_direct, willneed
 
 log = logging.getLogger("shardfmt")
 
@@ -171,7 +171,7 @@ class _Probe:
         t = time.perf_counter()
         if not direct:
             for fd in fds:
-                fadvise(fd, 0, 0, "WILLNEED")
+                willneed(fd, 0, self._part)
         self._transfer(fds, direct, "read", lambda h, v, o: os.preadv(h, [v], o))
         if not direct:
             for fd in fds:

@@ -137,6 +137,9 @@ class Executor:
             # the kernel is asked to fetch ahead what goes through the page cache for sure
             hinted = [w is False for w in ways]
             ahead = ReadAhead([r if h else None for h, r in zip(hinted, plan.reads)], readers, PREFETCH_WINDOW)
+            # the first window is asked for before any read starts: a read that overtakes the hint
+            # fetches its pages itself, at several times the CPU (``ReadAhead``)
+            ahead.starting(0)
             # direct reads mostly wait on the device: more of them keep its queue full
             concurrency = self.storage.read_concurrency
             if not all(hinted):

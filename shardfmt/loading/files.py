@@ -88,6 +88,8 @@ class ReadAhead:
     the disk works at full depth while the workers copy and hash, and ranks that read the
     same bytes (a row -> column reshard) find them in the page cache. A bounded window, not
     the whole plan: read-ahead beyond what memory holds would be evicted before it is used.
+    The executor asks for the first window before any read starts; after that each start
+    adds what its window newly covers, so the hint stays a window ahead of the reads.
     """
 
     def __init__(self, reads: Sequence[PhysicalRead], readers: Readers, window: int) -> None:
