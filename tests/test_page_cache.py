@@ -197,3 +197,54 @@ def test_a_hint_is_given_in_pieces_that_cover_the_range_once(monkeypatch, tmp_pa
         posix.willneed(f.fileno(), 500, 2600)
         posix.willneed(f.fileno(), 7, 0)
     assert calls == [(500, 1000, "WILLNEED"), (1500, 1000, "WILLNEED"), (2500, 600, "WILLNEED")]
+
+
+def _sysfs(root, dev: str, node: str, read_ahead_kb: str | None, *, partition_of: str | None = None) -> None:
+    """A fake ``/sys``: ``dev/block/<dev>`` a link to ``devices/<node>``, the queue's read-ahead
+    there (or, for a partition, in the disk's directory above it)."""
+    where = root / "devices" / node
+    where.mkdir(parents=True, exist_ok=True)
+    if partition_of is not None:
+        (where / "partition").write_text("1\n")
+    if read_ahead_kb is not None:
+        queue = (where.parent if partition_of is not None else where) / "queue"
+        queue.mkdir(exist_ok=True)
+        (queue / "read_ahead_kb").write_text(read_ahead_kb + "\n")
+    (root / "dev" / "block").mkdir(parents=True, exist_ok=True)
+    os.symlink(os.path.relpath(where, root / "dev" / "block"), root / "dev" / "block" / dev)
+
+
+@pytest.mark.parametrize("dev,node,kb,partition,want", [
+    ((8, 0), "pci/block/sda", "4096", None, 4 << 20),  # a whole disk
+    ((8, 1), "pci/block/sda/sda1", "2048", "sda", 2 << 20),  # a partition: its disk's queue
+    ((253, 0), "virtual/block/dm-0", "512", None, 512 << 10),  # device-mapper has a queue of its own
+    ((259, 0), "pci/block/nvme0n1", "0", None, 128 << 10),  # read-ahead off: the kernel's default
+    ((259, 1), "pci/block/nvme0n1", "many", None, 128 << 10),  # not a number
+    ((0, 45), None, None, None, 128 << 10),  # no block device (btrfs, overlay, tmpfs, NFS)
+])
+def test_the_hint_piece_is_the_read_ahead_of_the_files_block_queue(monkeypatch, tmp_path, dev, node, kb,
+                                                                    partition, want):
+    from shardfmt.io import posix
+
+    if node is not None:
+        _sysfs(tmp_path, f"{dev[0]}:{dev[1]}", node, kb, partition_of=partition)
+    monkeypatch.setattr(posix, "SYSFS", str(tmp_path))
+    assert posix.read_ahead_piece(os.makedev(*dev)) == want
+
+
+def test_a_changed_read_ahead_is_used_once_the_looked_up_value_is_old(monkeypatch, tmp_path):
+    """``blockdev --setra`` on a running job: hints follow it within ``HINT_PIECE_TTL_S``."""
+    from shardfmt.io import posix
+
+    _sysfs(tmp_path, "8:0", "pci/block/sda", "4096")
+    monkeypatch.setattr(posix, "SYSFS", str(tmp_path))
+    monkeypatch.setattr(posix, "_pieces", {})
+    now = [1000.0]
+    monkeypatch.setattr(posix.time, "monotonic", lambda: now[0])
+    dev = os.makedev(8, 0)
+    assert posix._hint_piece(dev) == 4 << 20
+    (tmp_path / "devices" / "pci/block/sda" / "queue" / "read_ahead_kb").write_text("256\n")
+    now[0] += posix.HINT_PIECE_TTL_S / 2
+    assert posix._hint_piece(dev) == 4 << 20  # looked up once, not at every hint
+    now[0] += posix.HINT_PIECE_TTL_S
+    assert posix._hint_piece(dev) == 256 << 10

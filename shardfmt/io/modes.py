@@ -9,7 +9,8 @@ in interleaved rounds, and ``choose`` turns the timings into a mode:
 - where they overlap, the mode in force stays: the one chosen before, or ``DEFAULT``;
 - leaving the mode in force takes more than separating (hysteresis): the other way must be
   faster by ``MARGIN`` beyond its spread, so a device whose figures flip from run to run
-  (this project's VM: the same load 1.2 s one run, 0.6 s the next) keeps one mode;
+  (this project's VM: the same load 1.2 s one run, 0.6 s the next) keeps one mode; and the
+  probe (``io.probe.measure``) leaves it only on twice its rounds, judged together;
 - a device that refuses ``O_DIRECT`` (some network filesystems; tmpfs before Linux 6.6) reads and
   writes buffered.
 
@@ -42,8 +43,9 @@ MAX_PROCESSES = 1 << 16  # processes of one node (a cache entry naming more is n
 MAX_DOCUMENT = 1 << 20  # bytes: a larger cache document is not read
 KIND = "shardfmt-io-modes"
 # 2: writes are timed into files allocated first, as saves write; 3: buffered reads are hinted whole
-# (``posix.willneed``), as loads hint them. An older choice is measured again.
-VERSION = 3
+# (``posix.willneed``), as loads hint them; 4: a mode is left only on two sets of rounds (``probe.measure``).
+# An older choice is measured again.
+VERSION = 4
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import os
 import stat
+import time
 from collections.abc import Callable
 
 from shardfmt.errors import CheckpointNotFoundError, SpecialFileError, StorageError
@@ -203,19 +203,39 @@ def fadvise(fd: int, offset: int, length: int, advice: str) -> None:
 
 
 _HINT_PIECE_DEFAULT = 128 << 10  # the kernel's default read-ahead (VM_READAHEAD_PAGES)
+HINT_PIECE_TTL_S = 60.0  # a device's read-ahead is looked up again after this (``blockdev --setra``)
+SYSFS = "/sys"
+_pieces: dict[int, tuple[int, float]] = {}  # device -> (bytes, monotonic time looked up)
 
 
-@functools.lru_cache(maxsize=64)
 def _hint_piece(dev: int) -> int:
-    """The most bytes one ``POSIX_FADV_WILLNEED`` call makes Linux read on device ``dev``: its
-    read-ahead size (``/sys/class/bdi/MAJ:MIN/read_ahead_kb``; the kernel allows up to the larger
-    of that and the device's largest I/O, so this is a floor on every kernel), else 128 KiB."""
+    """The most bytes one ``POSIX_FADV_WILLNEED`` call makes Linux read on device ``dev``, as
+    ``read_ahead_piece`` finds it, looked up again once ``HINT_PIECE_TTL_S`` old."""
+    now = time.monotonic()
+    known = _pieces.get(dev)
+    if known is None or not 0 <= now - known[1] < HINT_PIECE_TTL_S:
+        if len(_pieces) >= 64:
+            _pieces.clear()
+        known = _pieces[dev] = (read_ahead_piece(dev), now)
+    return known[0]
+
+
+def read_ahead_piece(dev: int) -> int:
+    """Device ``dev``'s read-ahead in bytes: ``read_ahead_kb`` of its block queue
+    (``/sys/dev/block/MAJ:MIN/queue``; a partition's is its disk's, the directory above it),
+    which Linux lets one hint read whole on every kernel (newer ones allow up to the larger of
+    that and ``max_sectors_kb``); 128 KiB, the kernel's default, where there is none: no
+    block device behind the filesystem (btrfs, overlay, tmpfs, NFS: their device numbers have
+    major 0) or a read-ahead of 0."""
     try:
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        node = os.path.realpath(os.path.join(SYSFS, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}"))
+        if os.path.exists(os.path.join(node, "partition")):
+            node = os.path.dirname(node)
+        with open(os.path.join(node, "queue", "read_ahead_kb")) as f:
             kb = int(f.read().strip())
     except (OSError, ValueError):
         return _HINT_PIECE_DEFAULT
-    return kb << 10 if kb > 0 else _HINT_PIECE_DEFAULT
+    return min(kb, 1 << 30) << 10 if kb > 0 else _HINT_PIECE_DEFAULT
 
 
 def willneed(fd: int, offset: int, length: int) -> None:
