@@ -1,22 +1,23 @@
 """Raw I/O floors: the cheapest way to move the same bytes, and the memcpy bound.
 
-- Write floor: each rank ``os.write``s its pieces (spec order, one file per rank) in 8 MiB
-  pieces, xxh3-128 over every 1 MiB chunk first (``hashed``), then fsync: the least a
-  hashed, durable writer must do. ``hashed=False`` is the raw write.
+- Write floor: each rank allocates its file whole (``fallocate``, where the filesystem can:
+  laid out in order, as shardfmt's saves are), then ``os.write``s its pieces (spec order, one
+  file per rank) in 8 MiB pieces, xxh3-128 over every 1 MiB chunk first (``hashed``), then
+  fsync: the least a hashed, durable writer must do. ``hashed=False`` is the raw write.
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
   1 MiB chunk (single thread); the hinted read floor (``hinted``) asks the kernel for every
   range first (``POSIX_FADV_WILLNEED``, in ``HINT`` pieces: the kernel reads only the first
   read-ahead's worth of a longer hint), the device's depth without threads. The direct read
   floor (``read_floor_direct``) reads the same ranges around the page cache: ``O_DIRECT``
   blocks of 16 MiB, rounded out to 4 KiB, into two reused page-aligned buffers, the next
-  block read on a thread while this one is hashed and copied into the targets. ``floor_reads`` plans which byte ranges of the saved floor
-  files a target layout needs: exact ranges where the needed piece is contiguous in both
-  the file and the target (same layout, a dim-0 reshard, a replicated tensor), widened to
-  whole hash chunks as a verified reader must read them (chunks cut from each piece's start,
-  as format v2 cuts them from each tensor's: the widening is read and hashed, not kept);
-  otherwise an idealised bound — the same number of bytes read contiguously (a column
-  reshard, whose bytes are strided in a row-major file). Only exact plans are checked
-  against the formula.
+  block read on a thread while this one is hashed and copied into the targets.
+  ``floor_reads`` plans which byte ranges of the saved floor files a target layout needs:
+  exact ranges where the needed piece is contiguous in both the file and the target (same
+  layout, a dim-0 reshard, a replicated tensor), widened to whole hash chunks as a verified
+  reader must read them (chunks cut from each piece's start, as format v2 cuts them from
+  each tensor's: the widening is read and hashed, not kept); otherwise an idealised bound —
+  the same number of bytes read contiguously (a column reshard, whose bytes are strided in
+  a row-major file). Only exact plans are checked against the formula.
 - memcpy: the rank's pieces copied into pre-faulted buffers (pinned host buffers with
   non-blocking copies on CUDA: the device-to-host bound).
 - Copy floors for offline tools: read every source data file and write it anew (plain,
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
+
+from shardfmt.io.posix import fallocate
 
 from .states import Box, TensorSpec, box
 
@@ -84,6 +87,7 @@ def write_floor(path: str, tensors: Sequence[torch.Tensor], *, hashed: bool, fsy
     """Write ``tensors``' bytes to ``path`` (through ``host`` buffers when they live on a GPU)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
+        fallocate(fd, sum(t.numel() * t.element_size() for t in tensors))  # never emulated with zeros
         for i, t in enumerate(tensors):
             src = t if host is None else host[i].copy_(t)
             write_pieces(fd, byte_view(src), hashed=hashed)
