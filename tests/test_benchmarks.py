@@ -366,3 +366,41 @@ def test_a_run_reports_the_io_modes_its_default_measured(tmp_path, monkeypatch):
             "cpus": 2, "fsync": True, "scratch_fs": "ext4", "date": "d", "commit": "c", "torch": "t", "io_modes": got}
     assert "2 process(es): write direct, read direct" in driver._headline(meta)
     assert driver._io_modes(str(tmp_path / "none")) == []
+
+
+def test_every_measured_call_starts_with_nothing_an_earlier_call_left_in_the_page_cache(tmp_path, monkeypatch):
+    """A floor keeps what it read and wrote in the page cache; shardfmt drops it. Whatever a
+    call leaves is dropped (untimed) before the next, whichever candidate that is."""
+    import dataclasses
+
+    from benchmarks import candidates, probes
+    from benchmarks.harness import worker
+    from benchmarks.harness.calls import Env
+
+    if not drops_pages(str(tmp_path)):
+        pytest.skip("this filesystem keeps clean pages in the page cache when told to drop them (tmpfs)")
+    sc = Scenario(name="save-load", doc="", state=StateSpec(builder="transformer", size_mib=4), ranks=1, phases=(
+        Phase(name="save", kind="save", candidates=("floor.write", "shardfmt.save")),
+        Phase(name="load", kind="load", candidates=("floor.read", "shardfmt.load"))))
+    base = tmp_path / "ckpt"
+    base.mkdir()
+    phases = plan.plan_jobs(sc, plan.Options(size_mib=4, rounds=2, warmup=0))[0].phases
+    job = {"scenario": "save-load", "size_mib": 4, "device": "cpu", "fsync": True, "settle": 0, "base": str(base),
+           "world": 1, "phases": [p.to_json() for p in phases]}
+    seen = []
+    real_get = candidates.get
+
+    def watched(name):
+        c = real_get(name)
+
+        def run(call):
+            seen.append((c.name, resident_fraction(probes.files_under(str(base)))))
+            return c.run(call)
+        return dataclasses.replace(c, run=run)
+
+    monkeypatch.setattr(candidates, "get", watched)
+    monkeypatch.setenv("SHARDFMT_IO_MODES", "off")
+    runner = worker.Runner(Env(rank=0, world=1, device=torch.device("cpu"), fsync=True), job)
+    runner.run()
+    assert not runner.failed and len(seen) >= 8
+    assert all(frac == 0 for _, frac in seen), seen

@@ -174,6 +174,15 @@ class Runner:
             if rec is not None and cand.check_with and name not in seen:
                 self.check_saved(phase.name, cand, path)
             seen.add(name)
+            self.leave_cold(path)
+
+    def leave_cold(self, path: str) -> None:
+        """Drop what a call left in the page cache, untimed, so the next call, whichever
+        candidate it is, starts from the same memory state. The floors keep what they read and
+        wrote; shardfmt drops it. On this project's VM, a page cache holding another
+        gigabyte made the next buffered load twice as slow (benchmarks/README.md, session 24)."""
+        if not path.startswith("s3://") and os.path.exists(path):
+            probes.drop_cache(path)
 
     def check_saved(self, phase: str, cand: candidates.Candidate, path: str) -> None:
         """Load a save's output untimed into NaN targets and check them (once per candidate)."""
@@ -209,6 +218,8 @@ class Runner:
                 states.check(targets, f"{phase.name} {name} round {rnd}")
             if cand.after is not None:
                 rec.update(cand.after(call))
+            if phase.cache == "cold":
+                self.leave_cold(src)
 
     def _checkable(self, cand: candidates.Candidate, phase: str) -> bool:
         """Whether the targets hold the saved values (a floor's idealised reshard plan does not)."""
