@@ -1,9 +1,11 @@
 """Raw I/O floors: the cheapest way to move the same bytes, and the memcpy bound.
 
-- Write floor: each rank allocates its file whole (``fallocate``, where the filesystem can:
-  laid out in order, as shardfmt's saves are), then ``os.write``s its pieces (spec order, one
-  file per rank) in 8 MiB pieces, xxh3-128 over every 1 MiB chunk first (``hashed``), then
-  fsync: the least a hashed, durable writer must do. ``hashed=False`` is the raw write.
+- Write floor: each rank ``os.write``s its pieces (spec order, one file per rank) in 8 MiB
+  pieces, xxh3-128 over every 1 MiB chunk first (``hashed``), then fsync: the least a
+  hashed, durable writer must do. ``hashed=False`` is the raw write. It does not allocate
+  its file first (``fallocate``) as shardfmt's saves do: allocated, it ran no faster here
+  and slower in two harness runs, and a floor is the faster way (benchmarks/README.md,
+  session 24).
 - Read floor: ``os.preadv`` straight into the targets in 8 MiB pieces, then xxh3-128 per
   1 MiB chunk (single thread); the hinted read floor (``hinted``) asks the kernel for every
   range first (``POSIX_FADV_WILLNEED``, in ``HINT`` pieces: the kernel reads only the first
@@ -37,8 +39,6 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
-
-from shardfmt.io.posix import fallocate
 
 from .states import Box, TensorSpec, box
 
@@ -87,7 +87,6 @@ def write_floor(path: str, tensors: Sequence[torch.Tensor], *, hashed: bool, fsy
     """Write ``tensors``' bytes to ``path`` (through ``host`` buffers when they live on a GPU)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        fallocate(fd, sum(t.numel() * t.element_size() for t in tensors))  # never emulated with zeros
         for i, t in enumerate(tensors):
             src = t if host is None else host[i].copy_(t)
             write_pieces(fd, byte_view(src), hashed=hashed)

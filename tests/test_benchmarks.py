@@ -186,19 +186,6 @@ def _reads_direct(directory) -> bool:
         os.remove(path)
 
 
-def test_the_write_floor_allocates_its_file_whole_before_its_first_write(tmp_path, monkeypatch):
-    """As shardfmt's saves do (``io.store.reserve``): a floor laid out block by block would be
-    slower than the saves it is the floor of."""
-    calls = []
-    real_write = floors.os.write
-    monkeypatch.setattr(floors, "fallocate", lambda fd, size: (calls.append(("fallocate", size)), True)[1])
-    monkeypatch.setattr(floors.os, "write", lambda fd, b: (calls.append(("write", len(b))), real_write(fd, b))[1])
-    tensors = [torch.arange(3 << 20, dtype=torch.uint8), torch.ones(1000, dtype=torch.float64)]
-    floors.write_floor(str(tmp_path / "rank_0.bin"), tensors, hashed=False, fsync=False)
-    assert calls[0] == ("fallocate", (3 << 20) + 8000) and all(c[0] == "write" for c in calls[1:])
-    assert (tmp_path / "rank_0.bin").read_bytes() == b"".join(bytes(floors.byte_view(t)) for t in tensors)
-
-
 @pytest.mark.parametrize("read", [floors.read_floor, functools.partial(floors.read_floor, hinted=True),
                                   floors.read_floor_direct], ids=["buffered", "hinted", "direct"])
 @pytest.mark.parametrize("layout,world", [("rows", 2), ("rows", 4), ("full", 1)])
