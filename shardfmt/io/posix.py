@@ -235,7 +235,7 @@ def read_ahead_piece(dev: int) -> int:
             kb = int(f.read().strip())
     except (OSError, ValueError):
         return _HINT_PIECE_DEFAULT
-    return min(kb, 1 << 30) << 10 if kb > 0 else _HINT_PIECE_DEFAULT
+    return kb << 10 if kb > 0 else _HINT_PIECE_DEFAULT
 
 
 def willneed(fd: int, offset: int, length: int) -> None:
