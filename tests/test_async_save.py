@@ -186,6 +186,8 @@ def test_pinning_registers_one_page_aligned_arena_off_the_calling_thread(monkeyp
     assert kind == "register" and not on_caller and flags == 1
     assert ptr % mmap.PAGESIZE == 0 and size % mmap.PAGESIZE == 0
     assert all(ptr <= b.data_ptr() and b.data_ptr() + b.numel() * b.element_size() <= ptr + size for b in bufs)
+    # torch's is_pinned() asks CUDA about the storage's start: the registration must begin there
+    assert {b.untyped_storage().data_ptr() for b in bufs} == {ptr}
     stager.copy(src)  # same layout: the arena is reused, nothing registered again
     assert len(calls) == 1
     stager.release()

@@ -61,10 +61,7 @@ class Stager:
         for t in tensors:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        size = -(-max(total, 1) // _PAGE) * _PAGE
-        raw = torch.empty(size + _PAGE, dtype=torch.uint8)
-        lead = -raw.data_ptr() % _PAGE
-        arena = raw[lead:lead + size]
+        arena = _own_pages(-(-max(total, 1) // _PAGE) * _PAGE)
         if pin:
             device = next((t.device for t in tensors if t.device.type == "cuda"), None)
             unpin = _register_pinned(arena, device, self._streams)
@@ -197,6 +194,17 @@ class StagedCopy:
             self._error = error
         for ev in self._issued:
             ev.set()
+
+
+def _own_pages(size: int) -> torch.Tensor:
+    """``size`` bytes (whole pages) of fresh private memory as a tensor whose storage starts at them.
+
+    PyTorch's ``is_pinned()`` asks CUDA about a tensor's *storage* start: an arena carved
+    page-aligned out of a larger allocation was registered (and copied at pinned speed) yet
+    read as unpinned (an H200, torch 2.11, 2026-12-04). The tensor holds the mapping, which is
+    unmapped when the last view goes."""
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8)
 
 
 def _sig(t: torch.Tensor, pin: bool) -> tuple:
