@@ -44,6 +44,7 @@ IOV_BATCH = 1024  # buffers per scatter read (Linux IOV_MAX)
 PREFETCH_WINDOW = 256 << 20  # bytes of upcoming reads the storage is asked to fetch ahead
 SHARED_WINDOW = 256 << 20  # bytes a read group's owner reads ahead of the broadcasts
 DIRECT_MIN_READ = 1 << 20  # reads at least this large may go around the page cache (``ReadTarget.sole``)
+DIRECT_MIN_SHARE = 0.9  # ... from a file this process reads at least this share of (``_read_whole``)
 
 
 def _pieces(segments: Sequence[memoryview]):
@@ -258,21 +259,14 @@ class Executor:
         return self._direct_ok(read)
 
     def _eligible(self, plan: LoadPlan, readers: Readers, forced: str | None) -> list[bool]:
-        """Which reads may go around the page cache (``_around_cache``), on a reader that has
-        direct reads (a local file's; an object store's has none); none where buffered is forced.
-
-        A file the process reads only part of is no exception (a 2 -> 4 reshard: two ranks take
-        alternate runs of each file). Until session 25 such files went through the page cache,
-        whose read-ahead merges the ranks' runs into one stream, on measurements that overlapped
-        (session 20). Both harness runs of session 25 that read them each way overlapped too
-        (benchmarks/README.md, issue 22); direct reads took as much CPU or less and allocate no
-        page cache, which a node's full cache would first have to give up. So these reads go as
-        every other does: the device's way, or the way the load's own trial picks where the
-        device's probe left doubt.
-        """
+        """Which reads may go around the page cache: large reads from files the process reads
+        (nearly) whole (``_read_whole``, ``_around_cache``), on a reader that has direct reads
+        (a local file's; an object store's has none); none where buffered is forced."""
         if forced == modes.BUFFERED:
             return [False] * len(plan.reads)
-        return [self._around_cache(r) and hasattr(readers.get(r.file), "can_direct") for r in plan.reads]
+        whole = _read_whole(plan)
+        return [r.file in whole and self._around_cache(r) and hasattr(readers.get(r.file), "can_direct")
+                for r in plan.reads]
 
     def _trial_for(self, plan: LoadPlan, readers: Readers, eligible: list[bool], forced: str | None) -> ModeTrial:
         """How the eligible reads go (``loading.trial``): tried both ways where the load is large,
@@ -488,6 +482,31 @@ def _direct_block(read: PhysicalRead) -> int:
     """The block (and bounce buffer) ``_read_direct`` moves ``read`` in: the read's size at most."""
     start = read.byte_range.start
     return aligned.bounce_size(64 * (read.byte_range.end - start + start % DIRECT_ALIGN), cap=aligned.MAX_BLOCK)
+
+
+def _read_whole(plan: LoadPlan) -> frozenset[str]:
+    """The files ``plan`` reads (nearly) all the data of: ``DIRECT_MIN_SHARE`` or more of the
+    bytes of the shards it reads from them (an incremental base's file also holds shards later
+    saves replaced: not counted).
+
+    Only their reads go around the page cache. A file a process reads a part of is read by
+    others too (a 2 -> 4 reshard: two ranks take alternate 16 MiB runs of each file): through
+    the page cache, the kernel's read-ahead turns their interleaved runs into one sequential
+    stream of the file, where direct reads seek between them. Measured on this project's VM
+    (benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 0.863 s through
+    the cache against 1.105 s direct (the floor: 0.842 s); settled (session 20), 0.953-0.971 s
+    through the cache against 0.985-0.989 s direct, overlapping; a rank reading its whole file
+    (same topology; 2 -> 1) is as fast or faster direct. Session 25 let such files go the
+    device's way in three io-mode runs: forced buffered against forced direct overlapped twice
+    and was ahead once (0.568 s [0.525-0.619] against 0.692 s [0.691-0.747]), so the rule stays."""
+    read: dict[str, int] = {}
+    for r in plan.reads:
+        read[r.file] = read.get(r.file, 0) + r.byte_range.length
+    live: dict[str, int] = {}
+    for _, shard in {(fqn, shard.file, shard.byte_range): (fqn, shard) for fqn, shard in plan.shards}.values():
+        live[shard.file] = live.get(shard.file, 0) + shard.byte_range[1] - shard.byte_range[0]
+    return frozenset(name for name, n in read.items() if live.get(name, 0) > 0 and n >= DIRECT_MIN_SHARE * live[name])
+
 
 
 def _read_direct(reader: FileReader, read: PhysicalRead, segments: list[memoryview],
