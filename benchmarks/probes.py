@@ -98,9 +98,14 @@ def fsync_path(path: str) -> None:
 
 
 def drop_cache(path: str) -> None:
-    """fsync, then POSIX_FADV_DONTNEED, every file under ``path``: the next read is cold."""
+    """fsync, then POSIX_FADV_DONTNEED, every file under ``path``: the next read is cold. A file
+    removed meanwhile (rank 0 clearing a save's directory while another rank still drops it)
+    has left the page cache with its name."""
     for f in files_under(path):
-        fd = os.open(f, os.O_RDONLY)
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

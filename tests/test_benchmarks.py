@@ -391,3 +391,17 @@ def test_every_measured_call_starts_with_nothing_an_earlier_call_left_in_the_pag
     runner.run()
     assert not runner.failed and len(seen) >= 8
     assert all(frac == 0 for _, frac in seen), seen
+
+
+def test_dropping_a_directory_a_peer_is_clearing_skips_the_files_already_gone(tmp_path, monkeypatch):
+    """Rank 0 clears a save's directory for the next candidate while another rank still drops
+    it from the page cache (a 2-rank io-mode run died so, session 25): the drop goes on."""
+    from benchmarks import probes
+
+    kept = tmp_path / "kept"
+    kept.write_bytes(b"\1" * (64 * mmap.PAGESIZE))
+    gone = str(tmp_path / "manifest.json")  # listed, then removed before it is opened
+    monkeypatch.setattr(probes, "files_under", lambda path: [gone, str(kept)])
+    probes.drop_cache(str(tmp_path))
+    if drops_pages(str(tmp_path)):
+        assert resident_fraction([str(kept)]) == 0.0  # the files after the missing one were dropped
