@@ -194,6 +194,26 @@ def test_pinning_registers_one_page_aligned_arena_off_the_calling_thread(monkeyp
     assert calls[1:] == [("unregister", False, ptr)]
 
 
+def test_registering_pins_every_byte_of_a_tensor_of_any_dtype(monkeypatch):
+    """cudaHostRegister takes bytes: a float32 tensor of 1024 elements is 4096 of them (a GPU
+    diagnostic that registered numel() bytes copied into unregistered memory and failed)."""
+    from shardfmt.saving.stager import _register_pinned
+
+    sizes = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            sizes.append(size)
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    _register_pinned(torch.empty(1024, dtype=torch.float32), None, {})()
+    assert sizes == [4096]
+
+
 def test_errors_surface_on_wait_or_at_the_call(tmp_path):
     shardfmt.save({"w": torch.ones(2)}, str(tmp_path / "c"))
     h = shardfmt.async_save({"w": torch.zeros(2)}, str(tmp_path / "c"), stager=shardfmt.Stager())

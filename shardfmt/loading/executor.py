@@ -496,9 +496,11 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
     (benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 0.863 s through
     the cache against 1.105 s direct (the floor: 0.842 s); settled (session 20), 0.953-0.971 s
     through the cache against 0.985-0.989 s direct, overlapping; a rank reading its whole file
-    (same topology; 2 -> 1) is as fast or faster direct. Session 25 let such files go the
-    device's way in three io-mode runs: forced buffered against forced direct overlapped twice
-    and was ahead once (0.568 s [0.525-0.619] against 0.692 s [0.691-0.747]), so the rule stays."""
+    (same topology; 2 -> 1) was as fast or faster direct then (session 25 saw buffered ahead in
+    some runs since the hints cover their range: benchmarks/README.md). Session 25 let files
+    read in part go the device's way in three io-mode runs: their forced buffered 2 -> 4 loads
+    overlapped forced direct twice and were ahead once (0.568 s [0.525-0.619] against 0.692 s
+    [0.691-0.747]), so the rule stays."""
     read: dict[str, int] = {}
     for r in plan.reads:
         read[r.file] = read.get(r.file, 0) + r.byte_range.length

@@ -249,7 +249,7 @@ def _register_pinned(arena: torch.Tensor, device, streams: dict) -> Callable[[],
         cudart = torch.cuda.cudart()
     except Exception:  # noqa: BLE001 - no CUDA runtime binding here: the caller pins another way
         return None
-    ptr, size = arena.data_ptr(), arena.numel()
+    ptr, size = arena.data_ptr(), arena.numel() * arena.element_size()  # bytes, whatever the dtype
     if _cudart_isolated(device, cudart.cudaHostRegister, ptr, size, _HOST_REGISTER_PORTABLE) != 0:
         return None
 
