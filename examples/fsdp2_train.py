@@ -14,6 +14,7 @@ per local rank).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -84,3 +85,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Collect the job's objects while Python still runs: FSDP2's modules hold process groups in
+    # reference cycles, and left to the collection at interpreter exit a gloo rank aborted now and
+    # then ("terminate called without an active exception", exit -6; 5 of 24 resumes on 4 ranks
+    # with a core kept busy, 0 of 30 with this line).
+    gc.collect()

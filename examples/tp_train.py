@@ -13,6 +13,7 @@ the slices each rank now holds. Rank 0 prints ``step <n> loss <value>`` each ste
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -72,3 +73,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Collect the job's objects while Python still runs, as fsdp2_train.py does (there, left to the
+    # collection at interpreter exit, a gloo rank aborted now and then).
+    gc.collect()
