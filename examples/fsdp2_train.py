@@ -85,8 +85,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Collect the job's objects while Python still runs: FSDP2's modules hold process groups in
-    # reference cycles, and left to the collection at interpreter exit a gloo rank aborted now and
-    # then ("terminate called without an active exception", exit -6; 5 of 24 resumes on 4 ranks
-    # with a core kept busy, 0 of 30 with this line).
+    # Collect the job's objects while Python still runs: left to the collection at interpreter
+    # exit (the cycle that holds them not pinned down; FSDP2's modules and their process groups
+    # are the likely one), a gloo rank aborted now and then ("terminate called without an active
+    # exception", exit -6; 5 of 24 resumes on 4 ranks with a core kept busy, 0 of 30 with this line).
     gc.collect()
