@@ -60,6 +60,9 @@ def step_lines(text: str, pattern: re.Pattern) -> dict[int, list[tuple[float, ..
     return out
 
 
+_ABORT_AT_EXIT = "terminate called without an active exception"  # libstdc++'s words for std::terminate
+
+
 def _same(a: tuple[float, ...], b: tuple[float, ...], rtol: float, atol: float) -> bool:
     if len(a) != len(b):
         return False
@@ -119,6 +122,11 @@ def run_drill(command: list[str], *, kill_at_save: int = 2, pattern: str = DEFAU
             if bad:
                 tail = "\n    ".join(out.splitlines()[-15:])
                 print(f"  the last lines of run {name} (exit {rc}):\n    {tail}")
+        if any(_ABORT_AT_EXIT in out for _, out in runs.values()):
+            print(f"drill: a process printed \"{_ABORT_AT_EXIT}\": a rank that aborts as Python exits after its "
+                  "work is done is torch's gloo teardown (a process group's worker thread frees the last "
+                  "collective's tensors during the interpreter's finalization); leaving with os._exit(0) after "
+                  "the script's work, as shardfmt's demo does, avoids it")
         return 1
     a, b1, b2 = step_lines(out_a, rx), step_lines(out_k, rx), step_lines(out_b, rx)
     if b2 and b1 and min(b2) == min(a):
