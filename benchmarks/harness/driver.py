@@ -35,15 +35,19 @@ def scratch_parent() -> str:
     return os.path.dirname(probes.ROOT)
 
 
+MEASURED = ("shardfmt", "reshard", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)*.md")
+
+
 def git_commit() -> str:
-    """The last commit that changed shardfmt/ or reshard/ (the code measured), '+dirty' if they changed since."""
+    """The last commit that changed the code measured or the harness measuring it (``MEASURED``:
+    not the figures or the prose), '+dirty' if they changed since."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=probes.ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--", "shardfmt", "reshard")
-        return git("log", "-1", "--format=%h", "--", "shardfmt", "reshard") + ("+dirty" if dirty else "")
+        dirty = git("status", "--porcelain", "--", *MEASURED)
+        return git("log", "-1", "--format=%h", "--", *MEASURED) + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "?"
 
