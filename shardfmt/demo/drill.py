@@ -117,16 +117,18 @@ def run_drill(command: list[str], *, kill_at_save: int = 2, pattern: str = DEFAU
     if rc_a or rc_b or rc_k == 0:
         print(f"drill: a run did not go as planned (A exit {rc_a}; killed B exit {rc_k}, expected non-zero; "
               f"restarted B exit {rc_b}); see the logs in {work}")
-        for name, (rc, out), bad in (("A", runs["A"], rc_a != 0), ("B, killed", runs["B1"], rc_k == 0),
-                                     ("B, restarted", runs["B2"], rc_b != 0)):
-            if bad:
-                tail = "\n    ".join(out.splitlines()[-15:])
-                print(f"  the last lines of run {name} (exit {rc}):\n    {tail}")
-        if any(_ABORT_AT_EXIT in out for _, out in runs.values()):
+        failed = [(name, rc, out) for name, (rc, out), bad in (
+            ("A", runs["A"], rc_a != 0), ("B, killed", runs["B1"], rc_k == 0), ("B, restarted", runs["B2"], rc_b != 0))
+            if bad]
+        for name, rc, out in failed:
+            tail = "\n    ".join(out.splitlines()[-15:])
+            print(f"  the last lines of run {name} (exit {rc}):\n    {tail}")
+        if any(_ABORT_AT_EXIT in out for _, _, out in failed):
             print(f"drill: a process printed \"{_ABORT_AT_EXIT}\": a rank that aborts as Python exits after its "
                   "work is done is torch's gloo teardown (a process group's worker thread frees the last "
-                  "collective's tensors during the interpreter's finalization); leaving with os._exit(0) after "
-                  "the script's work, as shardfmt's demo does, avoids it")
+                  "collective's tensors during the interpreter's finalization). Leaving with os._exit(0) once "
+                  "the work is done avoids it, as shardfmt's demo does: after Checkpointer.close() (or wait()), "
+                  "since os._exit skips the exit-time wait for background saves and copies")
         return 1
     a, b1, b2 = step_lines(out_a, rx), step_lines(out_k, rx), step_lines(out_b, rx)
     if b2 and b1 and min(b2) == min(a):

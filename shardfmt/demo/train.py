@@ -110,6 +110,7 @@ def main() -> None:
         else:  # the epoch's batches are done (a tail short of a batch is dropped, never consumed)
             sampler.set_epoch(sampler.epoch + 1)
     log.close()
+    ck.close()  # every save done (the exit below skips the exit-time wait)
     dist.destroy_process_group()
 
 
