@@ -496,8 +496,10 @@ def _read_whole(plan: LoadPlan) -> frozenset[str]:
     (benchmarks/README.md, issue 22), 4 ranks loading a 2-rank save of 1 GiB: 0.863 s through
     the cache against 1.105 s direct (the floor: 0.842 s); settled (session 20), 0.953-0.971 s
     through the cache against 0.985-0.989 s direct, overlapping; a rank reading its whole file
-    (same topology; 2 -> 1) was as fast or faster direct then (session 25 saw buffered ahead in
-    some runs since the hints cover their range: benchmarks/README.md). Session 25 let files
+    (same topology; 2 -> 1) was as fast or faster direct then. Since the hints cover their range,
+    two ranks each reading its whole file were faster buffered in four io-mode runs in a row
+    (sessions 25-26), while the probe, whose streams are threads of one process, chose direct:
+    benchmarks/README.md, "Whole-file loads with two processes". Session 25 let files
     read in part go the device's way in three io-mode runs: their forced buffered 2 -> 4 loads
     overlapped forced direct twice and were ahead once (0.568 s [0.525-0.619] against 0.692 s
     [0.691-0.747]), so the rule stays."""
